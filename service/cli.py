@@ -1,0 +1,58 @@
+"""The ``kvtier`` command: ``serve``, ``stats`` and ``bench …``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
+modules are found by name so that nothing here imports ``kvtier.bench`` (benchmarks may import
+everything, nothing imports them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "serve": ("kvtier.service.serve", "run the daemon (embedded defaults need no flags)"),
+    "stats": ("kvtier.service.stats_cli", "hits per tier from a running daemon"),
+}
+BENCHMARKS = {
+    "tiers": ("kvtier.bench.tiers", "host and disk tier throughput beside memcpy and raw disk"),
+    "daemon": ("kvtier.bench.daemon", "daemon lookup latency and arena copy rates"),
+    "replay": ("kvtier.bench.replay", "replay a request trace through the tier stack"),
+    "gpu": ("kvtier.bench.gpu", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
+}
+
+
+def _add(subparsers: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser.set_defaults(_module=module)
+    mod = importlib.import_module(module)
+    mod.add_arguments(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        _add(commands, name, module, help_text)
+    bench = commands.add_parser("bench", help="benchmarks that print ratios to physical limits")
+    benches = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        _add(benches, name, module, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import ALREADY_STORED, NO_SPACE, HostTier
+
+BLOCK = 64
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def store(host: HostTier, i: int) -> int:
+    (slot,) = host.reserve([h(i)])
+    assert slot >= 0
+    host.slot_array(slot)[:] = i % 251
+    host.commit([slot])
+    return slot
+
+
+def test_uncommitted_slot_is_never_readable():
+    host = HostTier(BLOCK, BLOCK * 4)
+    (slot,) = host.reserve([h(1)])
+    assert host.lookup([h(1)]).total == 0
+    assert host.acquire([h(1)]) == []
+    assert host.reserve([h(1)]) == [ALREADY_STORED]
+    host.abort([slot])
+    assert host.lookup([h(1)]).total == 0
+    assert host.counters.used_blocks == 0
+
+
+def test_two_phase_store_and_load():
+    host = HostTier(BLOCK, BLOCK * 4)
+    store(host, 7)
+    assert host.lookup([h(7), h(8)]).host == 1
+    (slot,) = host.acquire([h(7)])
+    assert np.all(host.slot_array(slot) == 7)
+    host.release([slot])
+    with pytest.raises(ValueError):
+        host.release([slot])
+    with pytest.raises(ValueError):
+        host.commit([slot])
+
+
+def test_acquired_slots_are_never_evicted_and_full_gives_no_space():
+    host = HostTier(BLOCK, BLOCK * 2)
+    store(host, 1)
+    store(host, 2)
+    pinned = host.acquire([h(1), h(2)])
+    assert host.reserve([h(3)]) == [NO_SPACE]
+    host.release(pinned[:1])
+    (slot,) = host.reserve([h(3)])
+    assert slot == pinned[0]  # slot of h(1), the only unpinned one, was recycled
+    assert host.lookup([h(2)]).host == 1
+    assert host.lookup([h(1)]).total == 0
+
+
+def test_lru_order_follows_reads():
+    host = HostTier(BLOCK, BLOCK * 2)
+    store(host, 1)
+    store(host, 2)
+    host.release(host.acquire([h(1)]))  # h(1) is now the most recent
+    store(host, 3)
+    assert host.lookup([h(1)]).host == 1
+    assert host.lookup([h(2)]).total == 0
+
+
+def test_eviction_spills_to_disk_and_acquire_promotes(tmp_path):
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
+    try:
+        host = HostTier(BLOCK, BLOCK * 2, lower=disk)
+        for i in range(5):
+            store(host, i)
+        assert host.counters.blocks_spilled == 3
+        hits = host.lookup([h(i) for i in range(6)])
+        assert (hits.host, hits.disk) == (2, 3)
+        slots = host.acquire([h(0), h(1)])
+        assert [int(host.slot_array(s)[0]) for s in slots] == [0, 1]
+        assert host.counters.blocks_promoted == 2
+        host.release(slots)
+        # a block already below is deduplicated instead of stored twice
+        assert host.reserve([h(4)]) == [ALREADY_STORED]
+    finally:
+        disk.close()
+
+
+def test_concurrent_promotion_of_one_hash(tmp_path):
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
+    try:
+        host = HostTier(BLOCK, BLOCK * 8, lower=disk)
+        disk.put(h(9), np.full(BLOCK, 9, dtype=np.uint8))
+        results: list[list[int]] = []
+
+        def reader() -> None:
+            results.append(host.acquire([h(9)]))
+
+        threads = [threading.Thread(target=reader) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(len(r) == 1 for r in results)
+        assert len({r[0] for r in results}) == 1  # promoted once, shared by all readers
+        assert host.counters.blocks_promoted == 1
+        for r in results:
+            host.release(r)
+    finally:
+        disk.close()
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        HostTier(BLOCK, BLOCK - 1)
+    host = HostTier(BLOCK, BLOCK * 2)
+    with pytest.raises(ValueError):
+        host.reserve([b"short"])
+    with pytest.raises(ValueError):
+        host.abort([99])

@@ -1,0 +1,40 @@
+"""Per-tier counters: plain objects that the statistics endpoint exports.
+
+Every count is updated by the tier that owns it while it holds its own lock, so a snapshot
+taken under that lock is consistent. Query and hit counts are in tokens, as the engine sees them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Counts for one tier (``gpu``, ``host`` or ``disk``)."""
+
+    tier: str
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    blocks_stored: int = 0
+    blocks_loaded: int = 0
+    blocks_evicted: int = 0
+    blocks_spilled: int = 0
+    blocks_promoted: int = 0
+    blocks_deduplicated: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    checksum_failures: int = 0
+    used_blocks: int = 0
+    capacity_blocks: int = 0
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int | str]:
+        """Returns every field as a plain dict (a snapshot)."""
+        return asdict(self)
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens over query tokens, 0.0 before the first query."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0

@@ -1,0 +1,161 @@
+"""Chained 16-byte block hashes.
+
+``hash(block i) = xxh3_128(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra)``, with
+the root parent a seed derived from the namespace (model, layout signature, tensor-parallel
+rank and world size, hash version). Every input is fixed bytes, so hashes agree across
+processes, hosts and restarts, which is what lets the disk tier be reused after a restart.
+``extra`` carries the LoRA name and the multimodal hashes of the inputs a block overlaps on
+every block, and the request's ``cache_salt`` on the root block only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+HASH_BYTES = 16
+HASH_VERSION = 1
+
+BlockHash = bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What makes two engines' blocks interchangeable: same model, layout, TP rank and world."""
+
+    model_id: str
+    layout_signature: bytes
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    hash_version: int = HASH_VERSION
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_world_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside world size {self.tp_world_size}")
+
+    @property
+    def seed(self) -> BlockHash:
+        """The root parent hash: xxh3_128 over a length-prefixed encoding of every field."""
+        model = self.model_id.encode()
+        blob = b"".join(
+            [
+                b"kvtier-ns",
+                len(model).to_bytes(4, "little"),
+                model,
+                self.layout_signature,
+                self.tp_rank.to_bytes(4, "little"),
+                self.tp_world_size.to_bytes(4, "little"),
+                self.hash_version.to_bytes(4, "little"),
+            ]
+        )
+        return xxhash.xxh3_128_digest(blob)
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalInput:
+    """A multimodal input whose placeholder tokens occupy ``[offset, offset + length)``."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """Request properties that change a block's meaning without changing its token ids."""
+
+    lora_name: str | None = None
+    mm_inputs: tuple[MultiModalInput, ...] = field(default_factory=tuple)
+    cache_salt: str | None = None
+
+    def for_block(self, start: int, end: int, root: bool) -> bytes:
+        """The extra bytes of the block covering tokens ``[start, end)``; empty if none apply."""
+        parts: list[bytes] = []
+        if self.lora_name:
+            parts.append(b"L" + self.lora_name.encode())
+        for mm in self.mm_inputs:
+            if mm.offset < end and start < mm.offset + mm.length:
+                parts.append(b"M" + mm.content_hash.encode())
+        if root and self.cache_salt:
+            parts.append(b"S" + self.cache_salt.encode())
+        return b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+
+
+NO_EXTRA = ExtraKeys()
+
+
+def hash_block_chain(
+    parent: BlockHash,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: ExtraKeys = NO_EXTRA,
+    first_block_index: int = 0,
+) -> list[BlockHash]:
+    """Hashes every full block of ``token_ids``, chained from ``parent``.
+
+    ``first_block_index`` is the index of the first of these blocks within the request, so
+    the salt goes to block 0 only and multimodal ranges line up when extending a sequence.
+    """
+    tokens = np.asarray(token_ids, dtype="<i4")
+    raw = tokens.tobytes()
+    step = block_size * 4
+    plain = extra is NO_EXTRA or extra == NO_EXTRA
+    hashes: list[BlockHash] = []
+    digest = xxhash.xxh3_128_digest
+    for i in range(len(tokens) // block_size):
+        chunk = raw[i * step : (i + 1) * step]
+        if plain:
+            parent = digest(parent + chunk)
+        else:
+            index = first_block_index + i
+            start = index * block_size
+            parent = digest(parent + chunk + extra.for_block(start, start + block_size, index == 0))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockHasher:
+    """Hashes one request's prompt and keeps up with it as tokens are appended."""
+
+    __slots__ = ("_block_size", "_extra", "_hashes", "_pending", "_seed")
+
+    def __init__(self, namespace: Namespace, block_size: int, extra: ExtraKeys = NO_EXTRA):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self._seed = namespace.seed
+        self._block_size = block_size
+        self._extra = extra
+        self._hashes: list[BlockHash] = []
+        self._pending: list[int] = []
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        """Hashes of every full block seen so far (do not mutate)."""
+        return self._hashes
+
+    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Appends tokens; returns the hashes of the blocks they completed."""
+        self._pending.extend(int(t) for t in token_ids)
+        full = len(self._pending) // self._block_size * self._block_size
+        if full == 0:
+            return []
+        parent = self._hashes[-1] if self._hashes else self._seed
+        new = hash_block_chain(
+            parent, self._pending[:full], self._block_size, self._extra, len(self._hashes)
+        )
+        del self._pending[:full]
+        self._hashes.extend(new)
+        return new
+
+
+def hash_prompt(
+    namespace: Namespace,
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: ExtraKeys = NO_EXTRA,
+) -> list[BlockHash]:
+    """Hashes every full block of a whole prompt in one call."""
+    return hash_block_chain(namespace.seed, token_ids, block_size, extra)
