@@ -19,7 +19,7 @@ def test_gather_scatter_roundtrip(block_dim, kv_parts, dtype):
     layout.gather(src, ids, out)
     dst = layout.allocate(7)
     layout.scatter(out, dst, torch.tensor([1, 2, 6]))
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         for a, b in ((5, 1), (0, 2), (3, 6)):
             assert torch.equal(s.select(block_dim, a), d.select(block_dim, b))
     assert torch.count_nonzero(dst[0].select(block_dim, 4)) == 0

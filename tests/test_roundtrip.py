@@ -10,6 +10,7 @@ import torch
 from kvtier.tiers.hashing import ExtraKeys, Namespace, hash_prompt
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.stack import build_local_stack
+
 from tierutil import run_request
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float16)
@@ -23,8 +24,11 @@ def prompts(count: int, blocks: int, seed: int) -> list[list[int]]:
 
 def stack_on(path, gpu_blocks=6, host_blocks=8):
     return build_local_stack(
-        LAYOUT, gpu_blocks, host_bytes=host_blocks * LAYOUT.block_bytes,
-        disk_path=path, disk_bytes=1000 * LAYOUT.block_bytes,
+        LAYOUT,
+        gpu_blocks,
+        host_bytes=host_blocks * LAYOUT.block_bytes,
+        disk_path=path,
+        disk_bytes=1000 * LAYOUT.block_bytes,
     )
 
 
@@ -80,7 +84,11 @@ def test_flipped_byte_on_disk_is_a_miss(tmp_path):
     stack = stack_on(tmp_path, gpu_blocks=3, host_blocks=4)
     try:
         gpu, host, disk = run_request(stack, hashes)
-        assert (gpu, host, disk) == (0, 0, 1)  # block 0 loads, block 1 fails its checksum, the walk stops
+        assert (gpu, host, disk) == (
+            0,
+            0,
+            1,
+        )  # block 0 loads, block 1 fails its checksum, the walk stops
         assert stack.disk.counters.checksum_failures == 1
     finally:
         stack.close()
@@ -95,8 +103,12 @@ def test_other_salt_or_layout_misses(tmp_path):
         salted = hash_prompt(NS, tokens, 4, ExtraKeys(cache_salt="tenant-b"))
         assert stack.cache.match(salted, 13).num_blocks == 0
         other = KVLayout(2, 2, 8, 4, torch.bfloat16)
-        assert stack.cache.match(hash_prompt(Namespace("tiny", other.signature), tokens, 4),
-                                 13).num_blocks == 0
+        assert (
+            stack.cache.match(
+                hash_prompt(Namespace("tiny", other.signature), tokens, 4), 13
+            ).num_blocks
+            == 0
+        )
     finally:
         stack.close()
 

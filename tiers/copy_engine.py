@@ -29,8 +29,13 @@ class Transfer:
 
     __slots__ = ("_staging", "callback", "event", "num_blocks")
 
-    def __init__(self, event: torch.cuda.Event | None, staging: torch.Tensor | None,
-                 callback: Callback | None, num_blocks: int):
+    def __init__(
+        self,
+        event: torch.cuda.Event | None,
+        staging: torch.Tensor | None,
+        callback: Callback | None,
+        num_blocks: int,
+    ):
         self.event = event
         self._staging = staging  # kept alive until the copy has read or written it
         self.callback = callback
@@ -53,12 +58,19 @@ class Transfer:
 class CopyEngine:
     """Copies whole blocks between ``kv_caches`` (one tensor per layer) and ``slab`` slots."""
 
-    def __init__(self, layout: KVLayout, kv_caches: Sequence[torch.Tensor], slab: torch.Tensor,
-                 counters: TierCounters | None = None):
+    def __init__(
+        self,
+        layout: KVLayout,
+        kv_caches: Sequence[torch.Tensor],
+        slab: torch.Tensor,
+        counters: TierCounters | None = None,
+    ):
         layout.check_tensors(kv_caches)
         if slab.dim() != 2 or slab.shape[1] != layout.block_bytes or slab.dtype != torch.uint8:
-            raise ValueError(f"slab must be uint8 [slots, {layout.block_bytes}], got "
-                             f"{slab.dtype} {tuple(slab.shape)}")
+            raise ValueError(
+                f"slab must be uint8 [slots, {layout.block_bytes}], got "
+                f"{slab.dtype} {tuple(slab.shape)}"
+            )
         self.layout = layout
         self.kv_caches = list(kv_caches)
         self.slab = slab
@@ -75,8 +87,9 @@ class CopyEngine:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def store(self, block_ids: Sequence[int], slots: Sequence[int],
-              callback: Callback | None = None) -> Transfer:
+    def store(
+        self, block_ids: Sequence[int], slots: Sequence[int], callback: Callback | None = None
+    ) -> Transfer:
         """Copies GPU blocks into host slots, after all work already queued on the compute stream.
 
         ``callback`` runs once the bytes are in the slots (typically: commit them).
@@ -95,8 +108,9 @@ class CopyEngine:
         after_compute = self._record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             stream.wait_event(after_compute)
-            staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8,
-                                  device=self.device)
+            staging = torch.empty(
+                (n, self.layout.block_bytes), dtype=torch.uint8, device=self.device
+            )
             self.layout.gather(self.kv_caches, ids, staging)
             for i, slot in enumerate(slots):
                 self.slab[slot].copy_(staging[i], non_blocking=True)
@@ -104,8 +118,13 @@ class CopyEngine:
         self._events.append(after_compute)
         return self._track(Transfer(done, staging, callback, n))
 
-    def load(self, slots: Sequence[int], block_ids: Sequence[int],
-             after: Sequence[Transfer] = (), callback: Callback | None = None) -> Transfer:
+    def load(
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        after: Sequence[Transfer] = (),
+        callback: Callback | None = None,
+    ) -> Transfer:
         """Copies host slots into GPU blocks; the engine waits on the result before reading.
 
         The load waits for the compute stream's queued work and for ``after`` (spills still
@@ -127,8 +146,9 @@ class CopyEngine:
             stream.wait_event(after_compute)
             for transfer in after:
                 transfer.order_before(stream)
-            staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8,
-                                  device=self.device)
+            staging = torch.empty(
+                (n, self.layout.block_bytes), dtype=torch.uint8, device=self.device
+            )
             for i, slot in enumerate(slots):
                 staging[i].copy_(self.slab[slot], non_blocking=True)
             self.layout.scatter(staging, self.kv_caches, ids)
@@ -153,8 +173,10 @@ class CopyEngine:
 
     def _check(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         if len(block_ids) != len(slots) or not block_ids:
-            raise ValueError(f"need matching non-empty block ids and slots, got "
-                             f"{len(block_ids)} and {len(slots)}")
+            raise ValueError(
+                f"need matching non-empty block ids and slots, got "
+                f"{len(block_ids)} and {len(slots)}"
+            )
 
     def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = self._events.pop() if self._events else torch.cuda.Event()

@@ -22,6 +22,7 @@ class TierCounters:
     blocks_spilled: int = 0
     blocks_promoted: int = 0
     blocks_deduplicated: int = 0
+    blocks_dropped: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     checksum_failures: int = 0

@@ -26,6 +26,7 @@ from typing import Any
 
 import lmdb
 import xxhash
+
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import HASH_BYTES
 
@@ -40,12 +41,13 @@ _INDEX = struct.Struct(">Q16s")
 # order key: big-endian, so LMDB's byte order is access order
 _SEQ = struct.Struct(">Q")
 _SIGNATURE_BYTES = 16
-# One write transaction takes at most this many bytes of new blocks, which bounds the memory
-# LMDB holds for dirty pages and the extra file space a batch needs while evicted pages wait
-# (LMDB reuses a freed page only two commits later).
+# One write transaction takes at most this many bytes of new blocks (and no more blocks than
+# the budget), which bounds the map room a batch needs while its evicted pages wait for reuse.
 _MAX_BATCH_BYTES = 256 << 20
 _PAGE = 4096
+_WRITEMAP = os.environ.get("WM", "1") == "1"
 
+# Writer queue operations; the ones below _FLUSH change the database.
 _PUT, _TOUCH, _DROP, _FLUSH, _STOP = range(5)
 
 _open_paths: set[str] = set()
@@ -72,8 +74,9 @@ class DiskTier:
     ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the memory map is sized
     from it with room for batches in flight. ``on_event(kind, hash)`` is called from the writer
     thread, outside any lock, with ``"stored"`` after a block is committed and ``"removed"``
-    after one is evicted or dropped. ``sync=False`` skips the fsync at each commit: committed
-    blocks still survive a crash of the process, not one of the machine.
+    after one is evicted or dropped (blocks found or dropped at start-up are not announced).
+    ``sync=False`` skips the fsync at each commit: committed blocks then survive a crash of the
+    process, not one of the machine. ``map_size`` overrides the memory map's size.
     """
 
     def __init__(
@@ -108,11 +111,14 @@ class DiskTier:
         self._closed = False
         self._writer_alive = True
 
-        value_pages = -(-(_HEADER.size + block_bytes + 16) // _PAGE)
+        self._batch_blocks = max(1, min(_MAX_BATCH_BYTES // block_bytes, self._capacity_blocks))
         if map_size is None:
-            # Twice the budget: evicted pages are reused only after two more commits, and runs
-            # of free pages fragment. The map is address space only; the file grows as used.
-            map_size = 2 * self._capacity_blocks * value_pages * _PAGE + 4 * _MAX_BATCH_BYTES
+            # A value takes whole pages (after a 16-byte page header). Room for the budget,
+            # for the blocks of the batches whose evicted pages LMDB cannot reuse yet (a freed
+            # page is reused two commits later), and 1/16 for B-tree and free-list pages.
+            value_bytes = -(-(16 + _HEADER.size + block_bytes) // _PAGE) * _PAGE
+            blocks = self._capacity_blocks + 3 * self._batch_blocks
+            map_size = blocks * value_bytes * 17 // 16 + (1 << 20)
 
         self._path = os.path.realpath(path)
         with _open_paths_lock:
@@ -123,15 +129,7 @@ class DiskTier:
                 )
             _open_paths.add(self._path)
         try:
-            self._env = lmdb.open(
-                self._path,
-                map_size=map_size,
-                max_dbs=3,
-                max_readers=512,
-                sync=sync,
-                metasync=sync,
-            )
-            self._env.reader_check()
+            self._env = self._open_env(map_size)
             self._blocks = self._env.open_db(b"blocks")
             self._index = self._env.open_db(b"index")
             self._order = self._env.open_db(b"order")
@@ -146,6 +144,37 @@ class DiskTier:
         c.capacity_bytes = capacity_bytes
         self._writer = threading.Thread(target=self._run, name="kvtier-disk-writer", daemon=True)
         self._writer.start()
+
+    def _open_env(self, map_size: int) -> lmdb.Environment:
+        """Opens the environment with a writable map and reserves the map's bytes on disk.
+
+        With ``writemap`` a block is copied once, straight into the page cache, instead of
+        into a heap page and then again by ``write``. Writing through a map into a sparse
+        file would turn a full disk into SIGBUS, so the whole map is allocated up front.
+        """
+        env = lmdb.open(
+            self._path,
+            map_size=map_size,
+            max_dbs=3,
+            max_readers=512,
+            writemap=_WRITEMAP,
+            sync=self._sync,
+            metasync=self._sync,
+        )
+        try:
+            env.reader_check()
+            size = env.info()["map_size"]
+            fd = os.open(os.path.join(self._path, "data.mdb"), os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot reserve {size} B for {self._path}") from exc
+            finally:
+                os.close(fd)
+        except BaseException:
+            env.close()
+            raise
+        return env
 
     # ---- readers (any thread) ----
 
@@ -218,16 +247,15 @@ class DiskTier:
         src = memoryview(data).cast("B")
         if src.nbytes != self.block_bytes:
             raise ValueError(f"block must be {self.block_bytes} bytes, got {src.nbytes}")
+        with self._lock:
+            self._check_open()
         if self.contains(block_hash):
             return
         # The one copy of the payload: straight into the value LMDB will store.
         value = bytearray(_HEADER.size + self.block_bytes)
-        with memoryview(value) as view:
-            payload = view[_HEADER.size :]
-            payload[:] = src
-            checksum = xxhash.xxh3_64_intdigest(payload)
-            payload.release()
-        _HEADER.pack_into(value, 0, *self._header_fields, checksum)
+        payload = memoryview(value)[_HEADER.size :]
+        payload[:] = src
+        _HEADER.pack_into(value, 0, *self._header_fields, xxhash.xxh3_64_intdigest(payload))
         with self._lock:
             self._check_open()
             if block_hash not in self._pending:
@@ -349,15 +377,14 @@ class DiskTier:
     def _next_batch(self) -> list[tuple[int, Any]]:
         """Blocks for one operation, then takes whatever else is queued, up to a byte bound."""
         batch = [self._queue.get()]
-        put_bytes = 0
-        while put_bytes < _MAX_BATCH_BYTES:
+        puts = batch[0][0] == _PUT
+        while puts < self._batch_blocks:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
             batch.append(item)
-            if item[0] == _PUT:
-                put_bytes += self.block_bytes
+            puts += item[0] == _PUT
         return batch
 
     def _process(self, batch: list[tuple[int, Any]]) -> None:

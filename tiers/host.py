@@ -72,9 +72,7 @@ class HostTier:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         num_slots = capacity_bytes // block_bytes
         if num_slots < 1:
-            raise ValueError(
-                f"host capacity {capacity_bytes} B holds no block of {block_bytes} B"
-            )
+            raise ValueError(f"host capacity {capacity_bytes} B holds no block of {block_bytes} B")
         if lower is not None and lower.block_bytes != block_bytes:
             raise ValueError(f"disk tier blocks are {lower.block_bytes} B, host {block_bytes} B")
         if buffer is None:

@@ -108,8 +108,9 @@ class KVLayout:
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} layer tensors, got {len(kv_caches)}")
         if kv_caches[0].dim() != 5:
-            raise ValueError(f"layer tensors must be 5-D {self.layer_shape(-1)}, "
-                             f"got {tuple(kv_caches[0].shape)}")
+            raise ValueError(
+                f"layer tensors must be 5-D {self.layer_shape(-1)}, got {tuple(kv_caches[0].shape)}"
+            )
         num_blocks = kv_caches[0].shape[self.block_dim]
         want = self.layer_shape(num_blocks)
         for i, t in enumerate(kv_caches):

@@ -29,8 +29,9 @@ def register_pinned(buffer: torch.Tensor) -> bool:
         return buffer.is_pinned() if cuda_present() else False
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %d bytes failed (%r); copies stay pageable",
-                       buffer.numel(), err)
+        logger.warning(
+            "cudaHostRegister of %d bytes failed (%r); copies stay pageable", buffer.numel(), err
+        )
         return False
     return True
 

@@ -42,7 +42,8 @@ class BlockSpiller:
             elif slot == ALREADY_STORED:
                 self.counters.blocks_deduplicated += 1
             else:
-                block.below = False  # no room below: the content is simply dropped on recycle
+                block.below = False  # every slot below is busy: the content is dropped
+                self.counters.blocks_dropped += 1
         if not copied:
             return
         lower = self.lower
@@ -55,8 +56,14 @@ class BlockSpiller:
 class GpuBlockPool:
     """Fixed set of GPU blocks with prefix-cache semantics; metadata only, data lives in KV."""
 
-    def __init__(self, num_blocks: int, *, spiller: BlockSpiller | None = None,
-                 spill_ahead: int = 4, counters: TierCounters | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        spiller: BlockSpiller | None = None,
+        spill_ahead: int = 4,
+        counters: TierCounters | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if spill_ahead < 0:
@@ -145,12 +152,18 @@ class GpuBlockPool:
         self._update_usage()
 
     def spill_cached(self) -> None:
-        """Spills every hashed block the tier below lacks (graceful shutdown)."""
+        """Spills every hashed block the tier below lacks, and waits (graceful shutdown).
+
+        Batches stay within half the lower tier's slots and each is committed before the next,
+        so the lower tier can always make room by pushing its own LRU blocks further down.
+        """
         if self.spiller is None:
             return
         blocks = [b for b in self.cached.values() if not b.below]
-        if blocks:
-            self.spiller.spill(blocks)
+        step = max(1, self.spiller.lower.counters.capacity_blocks // 2)
+        for start in range(0, len(blocks), step):
+            self.spiller.spill(blocks[start : start + step])
+            self.spiller.engine.synchronize()
 
     @staticmethod
     def pending_reads(blocks: Iterable[KVBlock]) -> list[Transfer]:

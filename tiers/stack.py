@@ -62,7 +62,10 @@ def build_stack(
     engine = CopyEngine(layout, kv_caches, lower.slab, counters=pool.counters)
     pool.spiller = BlockSpiller(lower, engine, pool.counters)
     cache = PrefixCache(
-        pool, layout.block_size, lower=lower, engine=engine,
+        pool,
+        layout.block_size,
+        lower=lower,
+        engine=engine,
         disk_counters=disk.counters if disk is not None else None,
     )
     return TierStack(layout, kv_caches, pool, cache, lower, engine, disk)
@@ -83,5 +86,6 @@ def build_local_stack(
     if disk_path is not None:
         disk = DiskTier(disk_path, layout.signature, layout.block_bytes, disk_bytes)
     host = HostTier(layout.block_bytes, host_bytes, lower=disk)
-    return build_stack(layout, num_gpu_blocks, lower=host, disk=disk, device=device,
-                       spill_ahead=spill_ahead)
+    return build_stack(
+        layout, num_gpu_blocks, lower=host, disk=disk, device=device, spill_ahead=spill_ahead
+    )

@@ -67,8 +67,15 @@ class WalkCounters:
 class PrefixCache:
     """A GPU pool with optional lower tiers behind it, walked as one cache."""
 
-    def __init__(self, pool: GpuBlockPool, block_size: int, *, lower: LowerTier | None = None,
-                 engine: CopyEngine | None = None, disk_counters: TierCounters | None = None):
+    def __init__(
+        self,
+        pool: GpuBlockPool,
+        block_size: int,
+        *,
+        lower: LowerTier | None = None,
+        engine: CopyEngine | None = None,
+        disk_counters: TierCounters | None = None,
+    ):
         if (lower is None) != (engine is None):
             raise ValueError("lower tiers and a copy engine come together")
         self.pool = pool
@@ -85,7 +92,7 @@ class PrefixCache:
         gpu = self.pool.match_prefix(wanted)
         result = PrefixMatch(wanted, num_prompt_tokens, gpu)
         if self.lower is not None and len(gpu) < claimable:
-            result.lower = self.lower.lookup(wanted[len(gpu):])
+            result.lower = self.lower.lookup(wanted[len(gpu) :])
         return result
 
     def claim(self, match: PrefixMatch) -> ClaimedPrefix:

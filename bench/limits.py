@@ -1,0 +1,85 @@
+"""Physical limits measured in the same run as a benchmark: memcpy and raw disk bandwidth."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+GB = 1e9
+
+
+def best_seconds(fn: Callable[[], None], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs of ``fn``: the least disturbed by other work."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memcpy_gbps(num_bytes: int = 512 << 20) -> float:
+    """One large host-to-host copy, the ceiling for any copy of block bytes in memory."""
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    return num_bytes / best_seconds(lambda: dst.copy_(src)) / GB
+
+
+def _aligned(num_bytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory, as O_DIRECT needs."""
+    buf = mmap.mmap(-1, num_bytes)
+    buf.write(os.urandom(1 << 20) * (num_bytes >> 20))
+    return buf
+
+
+def drop_page_cache(path: str) -> None:
+    """Evicts a file's pages from the page cache so the next read comes from the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple[float, float, str]:
+    """Sequential O_DIRECT write (with a final fsync) and read of ``num_bytes`` in ``directory``.
+
+    Returns (write GB/s, read GB/s, how). Where the filesystem refuses O_DIRECT (tmpfs), it
+    falls back to buffered I/O with fsync and a dropped page cache, and says so in ``how``.
+    """
+    path = os.path.join(directory, "kvtier-raw-probe")
+    buf = _aligned(chunk)
+    view = memoryview(buf)
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+            how = "O_DIRECT"
+        except OSError:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            how = "buffered+fsync"
+        start = time.perf_counter()
+        for _ in range(num_bytes // chunk):
+            os.write(fd, view)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        os.close(fd)
+        drop_page_cache(path)
+        fd = os.open(path, os.O_RDONLY | (direct if how == "O_DIRECT" else 0))
+        start = time.perf_counter()
+        while os.readv(fd, [view]) == chunk:
+            pass
+        read_s = time.perf_counter() - start
+        os.close(fd)
+    finally:
+        view.release()
+        buf.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return num_bytes / write_s / GB, num_bytes / read_s / GB, how
