@@ -9,9 +9,10 @@ directory therefore recovers every committed block and its recency.
 
 One writer thread owns every write transaction: ``put`` copies the block, parks it in a pending
 map (readable at once) and queues it; the writer drains its queue greedily into one transaction,
-evicting the oldest blocks first when the budget is spent. Readers use short ``buffers=True``
-transactions and copy the bytes out before they end. A value whose header or checksum does not
-match is a miss, counted and dropped, never data.
+evicting the least recently used blocks first when the budget is spent. Readers use short
+``buffers=True`` transactions, copy the bytes out before they end and queue their access-order
+bumps to the writer. A value whose header or checksum does not match is a miss, counted and
+dropped, never data.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ _INDEX = struct.Struct(">Q16s")
 # order key: big-endian, so LMDB's byte order is access order
 _SEQ = struct.Struct(">Q")
 _SIGNATURE_BYTES = 16
+# A key of the main database, written only to make a commit (see DiskTier._commit).
+_MARKER = b"kvtier-marker"
 # One write transaction takes at most this many bytes of new blocks (and no more blocks than
 # the budget), which bounds the map room a batch needs while its evicted pages wait for reuse.
 _MAX_BATCH_BYTES = 256 << 20
 _PAGE = 4096
-_WRITEMAP = os.environ.get("WM", "1") == "1"
+# Map bytes beyond the blocks, for meta, B-tree and free-list pages.
+_MAP_SLACK = 1 << 20
 
 # Writer queue operations; the ones below _FLUSH change the database.
 _PUT, _TOUCH, _DROP, _FLUSH, _STOP = range(5)
@@ -72,11 +76,11 @@ class DiskTier:
     """Blocks of ``block_bytes`` bytes in the LMDB environment at ``path``, LRU within a budget.
 
     ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the memory map is sized
-    from it with room for batches in flight. ``on_event(kind, hash)`` is called from the writer
+    from it, twice over (``_plan_map``). ``on_event(kind, hash)`` is called from the writer
     thread, outside any lock, with ``"stored"`` after a block is committed and ``"removed"``
     after one is evicted or dropped (blocks found or dropped at start-up are not announced).
     ``sync=False`` skips the fsync at each commit: committed blocks then survive a crash of the
-    process, not one of the machine. ``map_size`` overrides the memory map's size.
+    process, not one of the machine. A ``map_size`` too small for the budget lowers the budget.
     """
 
     def __init__(
@@ -95,14 +99,14 @@ class DiskTier:
             raise ValueError(f"layout signature must be {_SIGNATURE_BYTES} bytes")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        if capacity_bytes < block_bytes:
-            raise ValueError(f"capacity {capacity_bytes} B holds no block of {block_bytes} B")
+        self._capacity_blocks, self._batch_blocks, map_size = _plan_map(
+            block_bytes, capacity_bytes, map_size
+        )
         self.block_bytes = block_bytes
         self.counters = counters if counters is not None else TierCounters(tier="disk")
         self._signature = bytes(layout_signature)
         # every header field but the checksum, as ``_HEADER.unpack`` returns them
         self._header_fields = (_MAGIC, FORMAT_VERSION, _HEADER.size, self._signature, block_bytes)
-        self._capacity_blocks = capacity_bytes // block_bytes
         self._on_event = on_event
         self._sync = sync
         self._lock = threading.Lock()
@@ -110,15 +114,6 @@ class DiskTier:
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._closed = False
         self._writer_alive = True
-
-        self._batch_blocks = max(1, min(_MAX_BATCH_BYTES // block_bytes, self._capacity_blocks))
-        if map_size is None:
-            # A value takes whole pages (after a 16-byte page header). Room for the budget,
-            # for the blocks of the batches whose evicted pages LMDB cannot reuse yet (a freed
-            # page is reused two commits later), and 1/16 for B-tree and free-list pages.
-            value_bytes = -(-(16 + _HEADER.size + block_bytes) // _PAGE) * _PAGE
-            blocks = self._capacity_blocks + 3 * self._batch_blocks
-            map_size = blocks * value_bytes * 17 // 16 + (1 << 20)
 
         self._path = os.path.realpath(path)
         with _open_paths_lock:
@@ -129,7 +124,18 @@ class DiskTier:
                 )
             _open_paths.add(self._path)
         try:
-            self._env = self._open_env(map_size)
+            # No writemap: writing through the map would read every reused page from disk
+            # before overwriting it (the tier is larger than RAM, so they are rarely cached)
+            # and would turn a full disk into SIGBUS instead of an error.
+            self._env = lmdb.open(
+                self._path,
+                map_size=map_size,
+                max_dbs=3,
+                max_readers=512,
+                sync=sync,
+                metasync=sync,
+            )
+            self._env.reader_check()
             self._blocks = self._env.open_db(b"blocks")
             self._index = self._env.open_db(b"index")
             self._order = self._env.open_db(b"order")
@@ -141,40 +147,9 @@ class DiskTier:
 
         c = self.counters
         c.capacity_blocks = self._capacity_blocks
-        c.capacity_bytes = capacity_bytes
+        c.capacity_bytes = self._capacity_blocks * block_bytes
         self._writer = threading.Thread(target=self._run, name="kvtier-disk-writer", daemon=True)
         self._writer.start()
-
-    def _open_env(self, map_size: int) -> lmdb.Environment:
-        """Opens the environment with a writable map and reserves the map's bytes on disk.
-
-        With ``writemap`` a block is copied once, straight into the page cache, instead of
-        into a heap page and then again by ``write``. Writing through a map into a sparse
-        file would turn a full disk into SIGBUS, so the whole map is allocated up front.
-        """
-        env = lmdb.open(
-            self._path,
-            map_size=map_size,
-            max_dbs=3,
-            max_readers=512,
-            writemap=_WRITEMAP,
-            sync=self._sync,
-            metasync=self._sync,
-        )
-        try:
-            env.reader_check()
-            size = env.info()["map_size"]
-            fd = os.open(os.path.join(self._path, "data.mdb"), os.O_RDWR)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                raise OSError(exc.errno, f"cannot reserve {size} B for {self._path}") from exc
-            finally:
-                os.close(fd)
-        except BaseException:
-            env.close()
-            raise
-        return env
 
     # ---- readers (any thread) ----
 
@@ -251,7 +226,8 @@ class DiskTier:
             self._check_open()
         if self.contains(block_hash):
             return
-        # The one copy of the payload: straight into the value LMDB will store.
+        # Our one copy of the payload goes straight behind the header, so that LMDB gets the
+        # whole value as one buffer in one put.
         value = bytearray(_HEADER.size + self.block_bytes)
         payload = memoryview(value)[_HEADER.size :]
         payload[:] = src
@@ -356,6 +332,7 @@ class DiskTier:
     # ---- the writer thread ----
 
     def _run(self) -> None:
+        batch: list[tuple[int, Any]] = []
         try:
             stop = False
             while not stop:
@@ -365,13 +342,15 @@ class DiskTier:
         finally:
             with self._lock:
                 self._writer_alive = False
-            # Nothing can be queued any more; release flushes that would otherwise wait forever.
+            # Nothing can be queued any more; release the flushes that would otherwise wait
+            # forever, in the batch this thread may have died in and in the queue.
             while True:
                 try:
-                    op, arg = self._queue.get_nowait()
+                    batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                if op == _FLUSH:
+            for op, arg in batch:
+                if op == _FLUSH and not arg.done.is_set():
                     arg.finish(RuntimeError("disk tier writer stopped"))
 
     def _next_batch(self) -> list[tuple[int, Any]]:
@@ -413,30 +392,39 @@ class DiskTier:
     def _commit(self, ops: list[tuple[int, Any]]) -> list[tuple[str, bytes]]:
         """Writes ``ops`` in one transaction and returns the events to report.
 
-        A full map is answered by evicting the oldest blocks in a commit of their own (LMDB
-        frees pages only at a commit) and trying again; a block that cannot fit even then is
-        dropped with an error in the log, never raised to a caller.
+        A full map (a reader pinning an old snapshot keeps freed pages from reuse) is answered
+        by evicting the oldest blocks in a commit of their own and trying again. LMDB reuses
+        the pages a commit frees only once another commit has followed it, so with nothing left
+        to evict one marker commit goes first. If even that finds no room, the batch is given
+        up with an error in the log (its blocks are not stored), never raised to a caller.
         """
         events: list[tuple[str, bytes]] = []
-        while ops:
+        marked = False
+        while True:
             try:
                 with self._env.begin(write=True) as txn:
                     changes = self._apply(txn, ops)
                 return events + self._publish(changes, ops)
             except lmdb.MapFullError:
-                puts = [i for i, (op, _) in enumerate(ops) if op == _PUT]
-                if not puts:
-                    raise
-            with self._env.begin(write=True) as txn:
-                changes = [("evicted", h) for h in self._evict(txn, len(puts))]
-            if changes:
-                events += self._publish(changes, [])
+                puts = sum(op == _PUT for op, _ in ops)
+            try:
+                with self._env.begin(write=True) as txn:
+                    evicted = self._evict(txn, max(puts, 1))
+                    mark = not evicted and not marked
+                    if mark:
+                        txn.put(_MARKER, b"")
+            except lmdb.MapFullError:
+                evicted, mark = [], False
+            if evicted or mark:
+                marked = marked or mark
+                events += self._publish([("evicted", h) for h in evicted], [])
                 continue
-            block_hash = ops.pop(puts[0])[1]
-            log.error("disk tier %s: map full, block %s not stored", self._path, block_hash.hex())
+            log.error("disk tier %s: map full, %d blocks not stored", self._path, puts)
             with self._lock:
-                self._pending.pop(block_hash, None)
-        return events
+                for op, block_hash in ops:
+                    if op == _PUT:
+                        self._pending.pop(block_hash, None)
+            return events
 
     def _apply(self, txn: lmdb.Transaction, ops: list[tuple[int, Any]]) -> list[tuple[str, bytes]]:
         """Applies puts, access bumps and drops in order; returns what changed, in order."""
@@ -511,6 +499,31 @@ class DiskTier:
         for seq, block_hash in victims:
             self._delete(txn, block_hash, seq)
         return [block_hash for _, block_hash in victims]
+
+
+def _plan_map(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
+    """Returns (budget in blocks, most blocks per write transaction, map size in bytes).
+
+    The map is address space only (the file grows as used) and holds twice the budget and two
+    batches, because LMDB reuses a freed page only two commits later and runs of free pages
+    fragment; the budget never fills it, so a full map stays rare. A given ``map_size`` keeps
+    those proportions by lowering the budget.
+    """
+    value_bytes = -(-(16 + _HEADER.size + block_bytes) // _PAGE) * _PAGE  # whole pages
+    batch_max = max(1, _MAX_BATCH_BYTES // block_bytes)
+    capacity = capacity_bytes // block_bytes
+    if map_size is not None:
+        room = (map_size - _MAP_SLACK) // (2 * value_bytes)  # = budget + two batches
+        capacity = min(capacity, max(room // 3, room - 2 * batch_max))
+    if capacity < 1:
+        raise ValueError(
+            f"capacity {capacity_bytes} B or map size {map_size} B holds no block of "
+            f"{block_bytes} B"
+        )
+    batch = min(batch_max, capacity)
+    if map_size is None:
+        map_size = 2 * (capacity + 2 * batch) * value_bytes + _MAP_SLACK
+    return capacity, batch, map_size
 
 
 def _check_hash(block_hash: bytes) -> None:

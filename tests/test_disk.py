@@ -1,0 +1,411 @@
+"""The LMDB disk tier: round trips, recovery, corruption, LRU budget, full map, threads, crashes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.tiers.disk import DiskTier
+
+BLOCK = 16 * 1024 + 8  # not a multiple of the page size on purpose
+SIG = xxhash.xxh3_128_digest(b"layout-a")
+OTHER_SIG = xxhash.xxh3_128_digest(b"layout-b")
+
+
+def key(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def block(i: int, size: int = BLOCK) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+def tier(path: Path, capacity_blocks: int = 64, **kwargs) -> DiskTier:
+    kwargs.setdefault("sync", False)
+    return DiskTier(path, SIG, BLOCK, capacity_blocks * BLOCK, **kwargs)
+
+
+def read(t: DiskTier, i: int) -> np.ndarray | None:
+    out = np.empty(BLOCK, np.uint8)
+    return out if t.get_into(key(i), out) else None
+
+
+def test_roundtrip_is_bit_exact_for_every_buffer_kind(tmp_path):
+    sources = [
+        bytes(block(0)),
+        memoryview(bytearray(block(1))),
+        block(2),
+        torch.from_numpy(block(3)).numpy(),
+        block(4).reshape(8, -1),
+    ]
+    with tier(tmp_path) as t:
+        for i, data in enumerate(sources):
+            t.put(key(i), data)
+        t.flush()
+        for i in range(len(sources)):
+            out = torch.empty(BLOCK, dtype=torch.uint8)
+            assert t.get_into(key(i), out.numpy())
+            assert np.array_equal(out.numpy(), block(i))
+        buf = bytearray(BLOCK)
+        assert t.get_into(key(0), buf) and buf == bytes(block(0))
+        assert not t.get_into(key(99), buf)
+        assert t.counters.blocks_stored == 5 and t.counters.blocks_loaded == 6
+        assert t.counters.bytes_in == 5 * BLOCK and t.counters.used_bytes == 5 * BLOCK
+
+
+def test_pending_block_is_visible_before_commit(tmp_path):
+    gate = threading.Event()
+
+    def hold_writer(kind: str, block_hash: bytes) -> None:
+        gate.wait(10)
+
+    with tier(tmp_path, on_event=hold_writer) as t:
+        t.put(key(0), block(0))
+        with pytest.raises(TimeoutError):
+            t.flush(timeout=0.2)  # the writer now waits inside on_event
+        data = block(1)
+        t.put(key(1), data)
+        data[:] = 0  # put copied the bytes: reusing the caller's buffer changes nothing
+        assert t.contains(key(1)) and t.lookup_prefix([key(0), key(1), key(2)]) == 2
+        assert np.array_equal(read(t, 1), block(1))
+        assert len(t) == 2 and t.counters.used_blocks <= 1
+        gate.set()
+        t.flush()
+        assert t.counters.used_blocks == 2 and np.array_equal(read(t, 1), block(1))
+
+
+def test_put_of_a_held_block_is_a_noop(tmp_path):
+    events = []
+    with tier(tmp_path, on_event=lambda kind, h: events.append((kind, h))) as t:
+        t.put(key(0), block(0))
+        t.put(key(0), block(1))
+        t.flush()
+        t.put(key(0), block(2))
+        t.flush()
+        assert np.array_equal(read(t, 0), block(0))
+        assert len(t) == 1 and t.counters.blocks_stored == 1
+    assert events == [("stored", key(0))]
+
+
+def test_reopen_recovers_blocks_counters_and_access_order(tmp_path):
+    with tier(tmp_path, capacity_blocks=4) as t:
+        for i in range(4):
+            t.put(key(i), block(i))
+            t.flush()
+        assert read(t, 0) is not None  # 0 becomes the most recently used
+    with tier(tmp_path, capacity_blocks=4) as t:
+        assert len(t) == 4
+        assert t.counters.used_blocks == 4 and t.counters.used_bytes == 4 * BLOCK
+        t.put(key(4), block(4))  # evicts 1, the least recently used before the restart
+        t.flush()
+        assert not t.contains(key(1))
+        for i in (0, 2, 3, 4):
+            assert np.array_equal(read(t, i), block(i))
+
+
+def test_reopen_with_smaller_budget_evicts_oldest(tmp_path):
+    with tier(tmp_path, capacity_blocks=8) as t:
+        for i in range(6):
+            t.put(key(i), block(i))
+            t.flush()
+    with tier(tmp_path, capacity_blocks=3) as t:
+        assert [t.contains(key(i)) for i in range(6)] == [False] * 3 + [True] * 3
+        assert t.counters.used_blocks == 3 and t.counters.blocks_evicted == 3
+
+
+@pytest.mark.parametrize(
+    "offset", [-40, -36, -32, 500, BLOCK - 1], ids=["magic", "version", "layout", "mid", "last"]
+)
+def test_corrupt_value_is_a_miss_counted_and_dropped(tmp_path, offset):
+    with tier(tmp_path) as t:
+        t.put(key(0), block(0))
+        t.put(key(1), block(1))
+    # Flip one byte in the file itself, as bit rot would: LMDB sees nothing wrong.
+    data_file = tmp_path / "data.mdb"
+    raw = bytearray(data_file.read_bytes())
+    payload_at = raw.find(bytes(block(0)[:64]))
+    assert payload_at > 0 and raw.find(bytes(block(0)[:64]), payload_at + 1) == -1
+    raw[payload_at + offset] ^= 0x20  # negative offsets land in the 40-byte header
+    data_file.write_bytes(raw)
+
+    events = []
+    with tier(tmp_path, on_event=lambda kind, h: events.append((kind, h))) as t:
+        assert t.contains(key(0))
+        assert read(t, 0) is None
+        assert t.counters.checksum_failures == 1 and t.counters.blocks_loaded == 0
+        t.flush()
+        assert not t.contains(key(0)) and len(t) == 1
+        assert events == [("removed", key(0))]
+        assert np.array_equal(read(t, 1), block(1))
+        t.put(key(0), block(0))  # a dropped block can be stored again
+        t.flush()
+        assert np.array_equal(read(t, 0), block(0))
+
+
+def test_blocks_of_another_layout_are_misses(tmp_path):
+    with tier(tmp_path) as t:
+        for i in range(3):
+            t.put(key(i), block(i))
+    with DiskTier(tmp_path, OTHER_SIG, BLOCK, 64 * BLOCK, sync=False) as t:
+        assert len(t) == 0 and t.lookup_prefix([key(0)]) == 0
+        out = np.empty(BLOCK, np.uint8)
+        assert not t.get_into(key(0), out)
+        assert t.counters.used_bytes == 0 and t.counters.blocks_evicted == 3
+        t.put(key(0), block(7))
+        t.flush()
+    with tier(tmp_path) as t:
+        assert read(t, 0) is None and t.counters.blocks_evicted == 1
+        assert len(t) == 0
+
+
+def test_budget_evicts_least_recently_read(tmp_path):
+    n = 4
+    removed = []
+
+    def on_event(kind: str, block_hash: bytes) -> None:
+        if kind == "removed":
+            removed.append(block_hash)
+
+    with tier(tmp_path, capacity_blocks=n, on_event=on_event) as t:
+        for i in range(3 * n):
+            if i >= n:
+                assert np.array_equal(read(t, 0), block(0))  # keeps block 0 recent
+            t.put(key(i), block(i))
+            t.flush()
+            assert t.counters.used_bytes <= t.counters.capacity_bytes
+        survivors = [i for i in range(3 * n) if t.contains(key(i))]
+        assert survivors == [0, 9, 10, 11]
+        assert removed == [key(i) for i in range(1, 9)]
+        assert t.counters.blocks_evicted == 8 and t.counters.used_blocks == n
+        assert len(t) == n
+
+
+_PIN = """
+import sys, lmdb
+env = lmdb.open(sys.argv[1], max_dbs=3, readonly=True)
+txn = env.begin()
+print("pinned", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_full_map_gives_up_blocks_instead_of_raising(tmp_path, caplog):
+    with tier(tmp_path, capacity_blocks=1000, map_size=4 << 20) as t:
+        capacity = t.counters.capacity_blocks
+        assert 1 <= capacity < 1000  # the small map lowered the budget
+        t.put(key(0), block(0))
+        t.flush()
+        # A reader in another process pins a snapshot, so no evicted page can be reused.
+        pin = subprocess.Popen(
+            [sys.executable, "-c", _PIN, str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert pin.stdout.readline() == b"pinned\n"
+            for i in range(1, 200):
+                t.put(key(i), block(i))
+                if i % 4 == 0:
+                    t.flush()
+            t.flush()
+        finally:
+            pin.communicate(b"", timeout=30)
+        assert "map full" in caplog.text
+        assert t.counters.blocks_stored < 200 and t.counters.used_blocks <= capacity
+        for i in range(200):
+            got = read(t, i)
+            assert got is None or np.array_equal(got, block(i))
+        for i in range(500, 500 + 2 * capacity):  # with the reader gone, pages are reused
+            t.put(key(i), block(i))
+            t.flush()
+            assert np.array_equal(read(t, i), block(i))
+
+
+def test_concurrent_readers_see_misses_or_exact_bytes(tmp_path):
+    count = 96
+    errors: list[BaseException] = []
+    hits = [0]
+    done = threading.Event()
+    hashes = [key(i) for i in range(count)]
+    expected = [block(i) for i in range(count)]
+
+    def writer() -> None:
+        for i in np.random.default_rng(1).permutation(count):
+            t.put(hashes[i], expected[i])
+            if i % 16 == 0:
+                t.flush()
+        t.flush()
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        out = np.empty(BLOCK, np.uint8)
+        try:
+            while not done.is_set():
+                i = int(rng.integers(count))
+                if t.get_into(hashes[i], out):
+                    assert np.array_equal(out, expected[i]), f"block {i} came back wrong"
+                    hits[0] += 1
+                n = t.lookup_prefix(hashes[i:])
+                assert 0 <= n <= count - i
+        except BaseException as exc:
+            errors.append(exc)
+
+    with tier(tmp_path, capacity_blocks=64) as t:
+        readers = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+        for r in readers:
+            r.start()
+        writer()
+        done.set()
+        for r in readers:
+            r.join()
+        assert not errors, errors
+        assert hits[0] > 0 and t.counters.checksum_failures == 0
+        assert t.counters.used_blocks == 64
+
+
+def test_second_open_in_one_process_is_refused(tmp_path):
+    t = tier(tmp_path)
+    t.put(key(0), block(0))
+    with pytest.raises(RuntimeError, match="already open"):
+        tier(tmp_path)
+    with pytest.raises(RuntimeError, match="already open"):
+        tier(tmp_path / ".." / tmp_path.name)
+    t.close()
+    t.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        t.put(key(1), block(1))
+    with tier(tmp_path) as again:
+        assert np.array_equal(read(again, 0), block(0))
+
+
+_CHILD = """
+import os, signal, sys
+import numpy as np, xxhash
+from kvtier.tiers.disk import DiskTier
+sig, size, count = bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+t = DiskTier(sys.argv[1], sig, size, 64 * size)
+for i in range(count):
+    data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+    t.put(xxhash.xxh3_128_digest(i.to_bytes(8, "little")), data)
+t.flush()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_flushed_blocks_survive_sigkill(tmp_path):
+    count = 20
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), SIG.hex(), str(BLOCK), str(count)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+    with tier(tmp_path) as t:
+        assert len(t) == count
+        for i in range(count):
+            assert np.array_equal(read(t, i), block(i))
+
+
+def test_bad_sizes_raise_value_error(tmp_path):
+    with tier(tmp_path) as t:
+        with pytest.raises(ValueError):
+            t.put(key(0), block(0, BLOCK - 1))
+        with pytest.raises(ValueError):
+            t.put(key(0)[:8], block(0))
+        with pytest.raises(ValueError):
+            t.get_into(key(0), np.empty(BLOCK + 1, np.uint8))
+        with pytest.raises(ValueError):
+            t.get_into(key(0), bytes(BLOCK))
+        with pytest.raises(ValueError):
+            t.lookup_prefix([key(0), b"short"])
+        assert len(t) == 0
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path, SIG[:8], BLOCK, 64 * BLOCK)
+    with pytest.raises(ValueError):
+        DiskTier(tmp_path, SIG, BLOCK, BLOCK - 1)
+
+
+def test_writer_outlives_failures(tmp_path, monkeypatch, caplog):
+    def broken_subscriber(kind: str, block_hash: bytes) -> None:
+        raise RuntimeError("subscriber bug")
+
+    with tier(tmp_path, on_event=broken_subscriber) as t:
+        t.put(key(0), block(0))
+        t.flush()  # the subscriber's error is logged, the block is committed
+        assert t.counters.used_blocks == 1
+        assert "on_event" in caplog.text
+
+        def failing_apply(self, txn, ops):
+            raise OSError("disk on fire")
+
+        monkeypatch.setattr(DiskTier, "_apply", failing_apply)
+        t.put(key(1), block(1))
+        with pytest.raises(RuntimeError, match="writer failed"):
+            t.flush()
+        assert not t.contains(key(1))  # lost, and not claimed
+        monkeypatch.undo()
+        t.put(key(1), block(1))
+        t.flush()
+        assert np.array_equal(read(t, 1), block(1))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_flush_raises_once_the_writer_is_gone(tmp_path, monkeypatch):
+    def killed(self, batch):
+        raise SystemExit  # ends the writer thread, as no Exception would
+
+    with tier(tmp_path) as t:
+        monkeypatch.setattr(DiskTier, "_process", killed)
+        t.put(key(0), block(0))
+        with pytest.raises(RuntimeError):
+            t.flush(timeout=10)
+        with pytest.raises(RuntimeError):
+            t.put(key(1), block(1))
+
+
+OPS = ["put", "put", "get", "get", "reopen"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    capacity=st.integers(1, 5),
+    ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 7)), max_size=30),
+)
+def test_matches_an_lru_model(capacity, ops):
+    model: OrderedDict[int, None] = OrderedDict()
+    with tempfile.TemporaryDirectory() as path:
+        t = tier(Path(path), capacity_blocks=capacity)
+        try:
+            for op, i in ops:
+                if op == "put" and i not in model:
+                    model[i] = None
+                    if len(model) > capacity:
+                        model.popitem(last=False)
+                if op == "put":
+                    t.put(key(i), block(i))
+                elif op == "get":
+                    got = read(t, i)
+                    assert (got is not None) == (i in model)
+                    if i in model:
+                        assert np.array_equal(got, block(i))
+                        model.move_to_end(i)
+                else:
+                    t.close()
+                    t = tier(Path(path), capacity_blocks=capacity)
+                t.flush()
+                assert [t.contains(key(j)) for j in range(8)] == [j in model for j in range(8)]
+            assert len(t) == len(model)
+        finally:
+            t.close()
