@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import random
 
-import lmdb
 import torch
 
 from kvtier.tiers.hashing import ExtraKeys, Namespace, hash_prompt
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.stack import build_local_stack
 
-from tierutil import run_request
+from tierutil import block_content, run_request
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float16)
 NS = Namespace("tiny", LAYOUT.signature)
@@ -20,6 +19,18 @@ NS = Namespace("tiny", LAYOUT.signature)
 def prompts(count: int, blocks: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(32000) for _ in range(blocks * 4)] for _ in range(count)]
+
+
+def flip_stored_byte(directory, payload: bytes) -> None:
+    """Flips one bit in the middle of ``payload`` wherever the disk tier keeps it on disk."""
+    for path in directory.iterdir():
+        data = bytearray(path.read_bytes())
+        at = data.find(payload)
+        if at >= 0:
+            data[at + len(payload) // 2] ^= 0x20
+            path.write_bytes(bytes(data))
+            return
+    raise AssertionError("the block's bytes are in no file of the disk tier")
 
 
 def stack_on(path, gpu_blocks=6, host_blocks=8):
@@ -73,13 +84,7 @@ def test_flipped_byte_on_disk_is_a_miss(tmp_path):
     run_request(stack, hashes)
     stack.close()
 
-    env = lmdb.open(str(tmp_path), max_dbs=8, subdir=True)
-    blocks_db = env.open_db(b"blocks")
-    with env.begin(write=True, db=blocks_db) as txn:
-        value = bytearray(txn.get(hashes[1]))
-        value[-7] ^= 0x20
-        txn.put(hashes[1], bytes(value))
-    env.close()
+    flip_stored_byte(tmp_path, block_content(hashes[1], LAYOUT.block_bytes).numpy().tobytes())
 
     stack = stack_on(tmp_path, gpu_blocks=3, host_blocks=4)
     try:
