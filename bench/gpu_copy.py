@@ -1,0 +1,113 @@
+"""PCIe ceiling and kvtier's block copy rates on a CUDA device, for ``kvtier bench gpu``.
+
+The ceiling is a large pinned ``cudaMemcpyAsync`` each way, then both ways at once on two
+streams. kvtier's rates are ``CopyEngine`` stores (GPU→host) and loads (host→GPU) of 2 MiB
+blocks whose bytes live in per-layer tensors shaped as vLLM's flash-attention caches
+(``[2, blocks, 16, 8, 128]`` bf16 in each of 32 layers, a Llama-3-8B-like layout), so every
+copy also gathers or scatters 32 K/V pieces per block as a real engine's would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.tiers.copy_engine import CopyEngine
+from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.pinned import allocate_host
+
+VLLM_LIKE_LAYOUT = KVLayout(
+    num_layers=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
+)
+"""2 MiB per block: 32 layers, K and V, 16 tokens, 8 heads of 128, 2 bytes each."""
+
+
+@dataclass(frozen=True, slots=True)
+class PcieCeiling:
+    h2d_gbps: float
+    d2h_gbps: float
+    bidir_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRates:
+    d2h_gbps: float
+    h2d_gbps: float
+    block_bytes: int
+    blocks: int
+    round_trip_exact: bool
+
+
+def _best_seconds(fn: Callable[[], None], iters: int) -> float:
+    """Fastest of ``iters`` synchronized runs, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pcie_ceiling(num_bytes: int, iters: int) -> PcieCeiling:
+    """GB/s (1e9 bytes) of ``num_bytes`` pinned copies: to the GPU, from it, both at once."""
+    host_in = allocate_host(num_bytes, pin=True)
+    host_out = allocate_host(num_bytes, pin=True)
+    dev_in = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dev_out = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def h2d() -> None:
+        with torch.cuda.stream(up):
+            dev_in.copy_(host_in, non_blocking=True)
+
+    def d2h() -> None:
+        with torch.cuda.stream(down):
+            host_out.copy_(dev_out, non_blocking=True)
+
+    def both() -> None:
+        h2d()
+        d2h()
+
+    gb = num_bytes / 1e9
+    return PcieCeiling(
+        h2d_gbps=gb / _best_seconds(h2d, iters),
+        d2h_gbps=gb / _best_seconds(d2h, iters),
+        bidir_gbps=2 * gb / _best_seconds(both, iters),
+    )
+
+
+def copy_engine_rates(
+    num_blocks: int, iters: int, layout: KVLayout = VLLM_LIKE_LAYOUT
+) -> CopyRates:
+    """GB/s of ``num_blocks``-block stores and loads through kvtier's ``CopyEngine``."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    kv = [
+        torch.randn(layout.layer_shape(num_blocks), generator=gen, device="cuda").to(layout.dtype)
+        for _ in range(layout.num_layers)
+    ]
+    original = [t.clone() for t in kv]
+    slab = allocate_host(num_blocks * layout.block_bytes, pin=True).view(num_blocks, -1)
+    engine = CopyEngine(layout, kv, slab)
+    ids = list(range(num_blocks))
+
+    def store() -> None:
+        engine.store(ids, ids)
+        engine.synchronize()
+
+    def load() -> None:
+        engine.load(ids, ids)
+        engine.synchronize()
+
+    gb = num_blocks * layout.block_bytes / 1e9
+    d2h = gb / _best_seconds(store, iters)
+    for t in kv:
+        t.zero_()
+    h2d = gb / _best_seconds(load, iters)
+    exact = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+    return CopyRates(d2h, h2d, layout.block_bytes, num_blocks, exact)

@@ -1,0 +1,193 @@
+"""The reference engine: one sequence at a time through the decoder on kvtier's block pool.
+
+A prompt is hashed in blocks, its longest cached prefix is taken from whichever tier holds it
+(``PrefixCache.match`` then ``claim``), the rest is prefilled in chunks, and the prompt's blocks
+are named by their hashes so later prompts find them. Decode is greedy, one token a step.
+Finishing frees the sequence's blocks tail first, so its unique tail is evicted before the
+prefix it may share.
+
+Bit-exactness rests on three rules. Chunks start at multiples of ``chunk_blocks`` blocks
+counted from position 0, so a given block is always computed in a chunk of the same shape.
+A cached prefix is used only up to a chunk boundary, so the suffix is computed in exactly the
+chunks a full recompute would use. And only blocks computed in a full prefill chunk are
+cached: a block from a shorter last chunk or from decode steps (one-row matmuls) may differ
+in its last bits from the same tokens prefilled in a full chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.engine.model import Decoder
+from kvtier.engine.paged_attention import PagedKV
+from kvtier.tiers.free_queue import KVBlock
+from kvtier.tiers.hashing import BlockHash, Namespace, hash_prompt
+from kvtier.tiers.host import LowerHits
+from kvtier.tiers.stack import TierStack
+from kvtier.tiers.walk import PrefixMatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One request in flight: tokens, block hashes, GPU blocks, where its prefix came from."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+    hashes: list[BlockHash]
+    blocks: list[KVBlock] = field(default_factory=list)
+    cached_tokens: int = 0
+    gpu_hit_blocks: int = 0
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    last_logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """A finished request: generated tokens, the logits after the prompt, prefix provenance."""
+
+    tokens: list[int]
+    first_logits: torch.Tensor
+    cached_tokens: int
+    gpu_hit_blocks: int
+    host_hit_blocks: int
+    disk_hit_blocks: int
+
+
+def align_match(match: PrefixMatch, num_blocks: int) -> PrefixMatch:
+    """``match`` cut to its first ``num_blocks`` blocks, GPU hits first, then host, then disk."""
+    gpu = match.gpu_blocks[:num_blocks]
+    rest = num_blocks - len(gpu)
+    host = min(match.lower.host, rest)
+    lower = LowerHits(host=host, disk=min(match.lower.disk, rest - host))
+    return PrefixMatch(match.hashes[:num_blocks], match.num_prompt_tokens, gpu, lower)
+
+
+class Engine:
+    """Runs prompts through ``model`` with its KV in ``stack``'s pool and prefix cache."""
+
+    def __init__(self, model: Decoder, stack: TierStack, *, chunk_blocks: int = 1):
+        if chunk_blocks < 1:
+            raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
+        want = model.config.kv_layout(stack.layout.block_size)
+        if stack.layout != want:
+            raise ValueError(f"tier stack layout {stack.layout} is not the model's {want}")
+        if stack.kv_caches[0].device != model.device:
+            raise ValueError(
+                f"KV on {stack.kv_caches[0].device} but the model is on {model.device}"
+            )
+        self.model = model
+        self.stack = stack
+        self.block_size = stack.layout.block_size
+        self.chunk_blocks = chunk_blocks
+        self.namespace = Namespace(model.config.model_id, stack.layout.signature)
+        self.kv = PagedKV(stack.layout, stack.kv_caches)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_blocks * self.block_size
+
+    def prefill(self, prompt: Sequence[int]) -> SequenceState:
+        """Takes the cached prefix, computes the rest, caches the prompt's stable blocks.
+
+        The returned state holds its blocks (give them back with ``finish``) and the logits
+        of the token after the prompt in ``last_logits``.
+        """
+        n = len(prompt)
+        if n == 0:
+            raise ValueError("empty prompt")
+        bs, pool = self.block_size, self.stack.pool
+        hashes = hash_prompt(self.namespace, prompt, bs)
+        match = self.stack.cache.match(hashes, n)
+        match = align_match(match, match.num_blocks // self.chunk_blocks * self.chunk_blocks)
+        claimed = self.stack.cache.claim(match)
+        blocks = claimed.blocks
+        # A lower-tier block may have vanished between match and claim: re-align to a chunk.
+        keep = len(blocks) // self.chunk_blocks * self.chunk_blocks
+        if keep < len(blocks):
+            pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+        if claimed.transfer is not None:
+            claimed.transfer.order_before()
+        need = -(-n // bs) - len(blocks)
+        if need > pool.num_free:
+            pool.free_blocks(reversed(blocks))
+            raise RuntimeError(
+                f"prompt needs {need} more blocks, the pool has {pool.num_free} free"
+            )
+        seq = SequenceState(list(prompt), n, hashes, blocks, cached_tokens=keep * bs)
+        seq.gpu_hit_blocks = min(claimed.gpu_hits, keep)
+        seq.host_hit_blocks = min(claimed.host_hits, keep - seq.gpu_hit_blocks)
+        seq.disk_hit_blocks = keep - seq.gpu_hit_blocks - seq.host_hit_blocks
+        self._add_blocks(seq, need)
+        hidden = None
+        for start in range(seq.cached_tokens, n, self.chunk_tokens):
+            hidden = self._forward(seq, start, min(start + self.chunk_tokens, n))
+        stable = n // self.chunk_tokens * self.chunk_blocks
+        pool.cache_full_blocks(blocks[:stable], hashes[:stable])
+        seq.last_logits = self.model.logits(hidden[-1:])[0]
+        logger.debug(
+            "prefill of %d tokens: %d cached (gpu %d, host %d, disk %d blocks)",
+            n,
+            seq.cached_tokens,
+            seq.gpu_hit_blocks,
+            seq.host_hit_blocks,
+            seq.disk_hit_blocks,
+        )
+        return seq
+
+    def decode(self, seq: SequenceState) -> int:
+        """Appends the greedy next token and computes the logits after it; returns the token."""
+        token = int(torch.argmax(seq.last_logits))
+        seq.token_ids.append(token)
+        pos = len(seq.token_ids) - 1
+        if pos // self.block_size >= len(seq.blocks):
+            self._add_blocks(seq, 1)
+        hidden = self._forward(seq, pos, pos + 1)
+        seq.last_logits = self.model.logits(hidden)[0]
+        return token
+
+    def finish(self, seq: SequenceState) -> None:
+        """Gives the sequence's blocks back, tail first; the cached ones stay findable."""
+        self.stack.pool.free_blocks(reversed(seq.blocks))
+        seq.blocks = []
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> Generation:
+        """Prefill, ``max_new_tokens`` greedy tokens, finish."""
+        seq = self.prefill(prompt)
+        first = seq.last_logits
+        try:
+            tokens = [self.decode(seq) for _ in range(max_new_tokens)]
+        finally:
+            self.finish(seq)
+        return Generation(
+            tokens,
+            first,
+            seq.cached_tokens,
+            seq.gpu_hit_blocks,
+            seq.host_hit_blocks,
+            seq.disk_hit_blocks,
+        )
+
+    def _add_blocks(self, seq: SequenceState, n: int) -> None:
+        if n <= 0:
+            return
+        pool = self.stack.pool
+        new = pool.get_new_blocks(n)
+        # A recycled block may still be read by its spill; our writes go after that copy.
+        for transfer in pool.pending_reads(new):
+            transfer.order_before()
+        seq.blocks.extend(new)
+
+    def _forward(self, seq: SequenceState, start: int, end: int) -> torch.Tensor:
+        device = self.model.device
+        tokens = torch.tensor(seq.token_ids[start:end], dtype=torch.long, device=device)
+        positions = torch.arange(start, end, dtype=torch.long, device=device)
+        table = torch.tensor([b.block_id for b in seq.blocks], dtype=torch.long, device=device)
+        return self.model.forward(tokens, positions, self.kv.attend_fn(table, positions, start))

@@ -1,0 +1,66 @@
+"""``kvtier bench gpu``: a clear refusal without a GPU; a small real run with one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from kvtier.bench import gpu
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    gpu.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_reports_no_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu.run(parse(["--json"])) == gpu.NO_GPU_EXIT
+    captured = capsys.readouterr()
+    assert "no CUDA GPU" in captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_run_on_gpu(capsys):
+    argv = [
+        "--json",
+        "--pcie-mib",
+        "64",
+        "--copy-blocks",
+        "16",
+        "--iters",
+        "2",
+        "--model",
+        "tiny",
+        "--prompt-tokens",
+        "512",
+        "--chunk-tokens",
+        "64",
+        "--overhead-requests",
+        "2",
+        "--overhead-prompt-tokens",
+        "256",
+        "--overhead-decode-steps",
+        "4",
+    ]
+    assert gpu.run(parse(argv)) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "pcie_h2d_gbps",
+        "pcie_d2h_gbps",
+        "h2d_ratio",
+        "d2h_ratio",
+        "ttft_recompute_ms",
+        "ttft_host_ms",
+        "ttft_disk_ms",
+        "zero_reuse_overhead",
+    ):
+        assert key in out
+    assert out["copy_round_trip_exact"]
+    assert out["ttft_host_hit_blocks"] == out["ttft_disk_hit_blocks"] == 512 // 16 - 4
