@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvtier.bench.limits import GB, best_seconds, drop_page_cache, memcpy_gbps, raw_disk_gbps
+from kvtier.tiers.copy_engine import copy_rows
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.host import HostTier
@@ -42,6 +43,7 @@ def host_rates(blocks: torch.Tensor) -> tuple[float, float]:
     n, block_bytes = blocks.shape
     host = HostTier(block_bytes, n * block_bytes)
     out = torch.empty_like(blocks)
+    slab, src, dst, rows = host.slab.numpy(), blocks.numpy(), out.numpy(), range(n)
     rounds = iter(range(1 << 30))
     stored: list[bytes] = []
 
@@ -49,12 +51,12 @@ def host_rates(blocks: torch.Tensor) -> tuple[float, float]:
         # Fresh hashes each round, so every round evicts the last one's blocks.
         stored[:] = _hashes(n, next(rounds))
         slots = host.reserve(stored)
-        host.slab.index_copy_(0, torch.tensor(slots), blocks)
+        copy_rows(slab, slots, src, rows)
         host.commit(slots)
 
     def load() -> None:
         slots = host.acquire(stored)
-        torch.index_select(host.slab, 0, torch.tensor(slots), out=out)
+        copy_rows(dst, rows, slab, slots)
         host.release(slots)
 
     store_s = best_seconds(store)

@@ -26,9 +26,7 @@ from kvtier.engine.model import Decoder
 from kvtier.engine.paged_attention import PagedKV
 from kvtier.tiers.free_queue import KVBlock
 from kvtier.tiers.hashing import BlockHash, Namespace, hash_prompt
-from kvtier.tiers.host import LowerHits
 from kvtier.tiers.stack import TierStack
-from kvtier.tiers.walk import PrefixMatch
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +56,6 @@ class Generation:
     gpu_hit_blocks: int
     host_hit_blocks: int
     disk_hit_blocks: int
-
-
-def align_match(match: PrefixMatch, num_blocks: int) -> PrefixMatch:
-    """``match`` cut to its first ``num_blocks`` blocks, GPU hits first, then host, then disk."""
-    gpu = match.gpu_blocks[:num_blocks]
-    rest = num_blocks - len(gpu)
-    host = min(match.lower.host, rest)
-    lower = LowerHits(host=host, disk=min(match.lower.disk, rest - host))
-    return PrefixMatch(match.hashes[:num_blocks], match.num_prompt_tokens, gpu, lower)
 
 
 class Engine:
@@ -105,7 +94,7 @@ class Engine:
         bs, pool = self.block_size, self.stack.pool
         hashes = hash_prompt(self.namespace, prompt, bs)
         match = self.stack.cache.match(hashes, n)
-        match = align_match(match, match.num_blocks // self.chunk_blocks * self.chunk_blocks)
+        match = match.truncate(match.num_blocks // self.chunk_blocks * self.chunk_blocks)
         claimed = self.stack.cache.claim(match)
         blocks = claimed.blocks
         # A lower-tier block may have vanished between match and claim: re-align to a chunk.

@@ -14,14 +14,27 @@ Completed transfers run their callbacks (commit the stored slots, release the re
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.layout import KVLayout
 
 Callback = Callable[[], None]
+
+
+def copy_rows(
+    dst: np.ndarray, dst_rows: Iterable[int], src: np.ndarray, src_rows: Iterable[int]
+) -> None:
+    """Copies whole rows between 2-D host arrays, one memcpy per row.
+
+    On a CPU, numpy's row copy runs at memcpy speed, while torch's ``index_copy_`` and
+    ``copy_`` on uint8 rows of a few MiB ran 5-15x slower on the machines we measured.
+    """
+    for d, s in zip(dst_rows, src_rows, strict=True):
+        np.copyto(dst[d], src[s])
 
 
 class Transfer:
@@ -74,6 +87,7 @@ class CopyEngine:
         self.layout = layout
         self.kv_caches = list(kv_caches)
         self.slab = slab
+        self._slab_np = slab.numpy()
         self.device = kv_caches[0].device
         self.counters = counters
         self.on_cuda = self.device.type == "cuda"
@@ -102,7 +116,7 @@ class CopyEngine:
         if not self.on_cuda:
             staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
             self.layout.gather(self.kv_caches, ids, staging)
-            self.slab.index_copy_(0, torch.tensor(slots, dtype=torch.long), staging)
+            copy_rows(self._slab_np, slots, staging.numpy(), range(n))
             return self._finish(Transfer(None, None, callback, n))
         stream = self._store_stream
         after_compute = self._record(torch.cuda.current_stream(self.device))
@@ -137,7 +151,8 @@ class CopyEngine:
         if self.counters is not None:
             self.counters.bytes_in += n * self.layout.block_bytes
         if not self.on_cuda:
-            staging = self.slab.index_select(0, torch.tensor(slots, dtype=torch.long))
+            staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
+            copy_rows(staging.numpy(), range(n), self._slab_np, slots)
             self.layout.scatter(staging, self.kv_caches, ids)
             return self._finish(Transfer(None, None, callback, n))
         stream = self._load_stream

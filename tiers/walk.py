@@ -35,6 +35,14 @@ class PrefixMatch:
     def num_blocks(self) -> int:
         return len(self.gpu_blocks) + self.lower.total
 
+    def truncate(self, num_blocks: int) -> PrefixMatch:
+        """This match cut to its first ``num_blocks`` blocks (GPU hits, then host, then disk)."""
+        gpu = self.gpu_blocks[:num_blocks]
+        rest = num_blocks - len(gpu)
+        host = min(self.lower.host, rest)
+        lower = LowerHits(host=host, disk=min(self.lower.disk, rest - host))
+        return PrefixMatch(self.hashes[:num_blocks], self.num_prompt_tokens, gpu, lower)
+
 
 @dataclass(slots=True)
 class ClaimedPrefix:
