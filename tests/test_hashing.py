@@ -51,7 +51,8 @@ def test_salt_enters_the_root_block_only():
     tokens = list(range(12))
     salted = hash_prompt(NS, tokens, 4, ExtraKeys(cache_salt="tenant-a"))
     plain = hash_prompt(NS, tokens, 4)
-    assert all(s != p for s, p in zip(salted, plain, strict=True))  # the chain carries the salt onward
+    # the chain carries the salt onward
+    assert all(s != p for s, p in zip(salted, plain, strict=True))
     # the second block's own input is the plain one: same parent gives the same child
     from kvtier.tiers.hashing import hash_block_chain
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from daemonutil import Daemon
 
 from kvtier.connector.client import DaemonClient
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine, SequenceState
 from kvtier.engine.model import Decoder
 from kvtier.tiers.stack import TierStack, build_local_stack, build_stack
+
+from daemonutil import Daemon
 
 BLOCK = 16
 GPU_BLOCKS = 8

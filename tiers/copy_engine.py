@@ -69,7 +69,11 @@ class Transfer:
 
 
 class CopyEngine:
-    """Copies whole blocks between ``kv_caches`` (one tensor per layer) and ``slab`` slots."""
+    """Copies whole blocks between ``kv_caches`` (one tensor per layer) and ``slab`` slots.
+
+    ``slab`` may be re-pointed in place (``set_``) at a new mapping, as the daemon client does
+    when it maps the arena after a (re)connect; the engine reads it afresh for each transfer.
+    """
 
     def __init__(
         self,
@@ -87,7 +91,6 @@ class CopyEngine:
         self.layout = layout
         self.kv_caches = list(kv_caches)
         self.slab = slab
-        self._slab_np = slab.numpy()
         self.device = kv_caches[0].device
         self.counters = counters
         self.on_cuda = self.device.type == "cuda"
@@ -116,7 +119,7 @@ class CopyEngine:
         if not self.on_cuda:
             staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
             self.layout.gather(self.kv_caches, ids, staging)
-            copy_rows(self._slab_np, slots, staging.numpy(), range(n))
+            copy_rows(self.slab.numpy(), slots, staging.numpy(), range(n))
             return self._finish(Transfer(None, None, callback, n))
         stream = self._store_stream
         after_compute = self._record(torch.cuda.current_stream(self.device))
@@ -152,7 +155,7 @@ class CopyEngine:
             self.counters.bytes_in += n * self.layout.block_bytes
         if not self.on_cuda:
             staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
-            copy_rows(staging.numpy(), range(n), self._slab_np, slots)
+            copy_rows(staging.numpy(), range(n), self.slab.numpy(), slots)
             self.layout.scatter(staging, self.kv_caches, ids)
             return self._finish(Transfer(None, None, callback, n))
         stream = self._load_stream

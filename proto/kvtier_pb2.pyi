@@ -1,0 +1,278 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SlotStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLOT_STATUS_UNSPECIFIED: _ClassVar[SlotStatus]
+    ALREADY_STORED: _ClassVar[SlotStatus]
+    NO_SPACE: _ClassVar[SlotStatus]
+SLOT_STATUS_UNSPECIFIED: SlotStatus
+ALREADY_STORED: SlotStatus
+NO_SPACE: SlotStatus
+
+class OpenRequest(_message.Message):
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    layout_signature: bytes
+    block_bytes: int
+    block_tokens: int
+    protocol_version: int
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    daemon_id: str
+    arena_path: str
+    arena_bytes: int
+    num_slots: int
+    slot_bytes: int
+    lease_ms: int
+    max_hashes: int
+    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ("aborted", "released")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    aborted: int
+    released: int
+    def __init__(self, aborted: _Optional[int] = ..., released: _Optional[int] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ms",)
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_ms: int
+    def __init__(self, lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("host", "disk")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    host: int
+    disk: int
+    def __init__(self, host: _Optional[int] = ..., disk: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("session_id", "hashes", "parent_hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hashes: bytes
+    parent_hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SlotsRequest(_message.Message):
+    __slots__ = ("session_id", "slots")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SlotsResponse(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("count", "durable")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    durable: bool
+    def __init__(self, count: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("session_id", "hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("session_id", "hash", "parent_hash", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hash: bytes
+    parent_hash: bytes
+    data: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "already_stored", "no_space")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_STORED_FIELD_NUMBER: _ClassVar[int]
+    NO_SPACE_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_stored: int
+    no_space: int
+    def __init__(self, stored: _Optional[int] = ..., already_stored: _Optional[int] = ..., no_space: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("session_id", "hashes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    hashes: bytes
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("hash", "data")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    data: bytes
+    def __init__(self, hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "query_tokens", "hit_tokens", "blocks_stored", "blocks_loaded", "blocks_evicted", "blocks_spilled", "blocks_promoted", "blocks_deduplicated", "bytes_in", "bytes_out", "checksum_failures", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "blocks_dropped", "other")
+    class OtherEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_SPILLED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DEDUPLICATED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    query_tokens: int
+    hit_tokens: int
+    blocks_stored: int
+    blocks_loaded: int
+    blocks_evicted: int
+    blocks_spilled: int
+    blocks_promoted: int
+    blocks_deduplicated: int
+    bytes_in: int
+    bytes_out: int
+    checksum_failures: int
+    used_blocks: int
+    capacity_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    blocks_dropped: int
+    other: _containers.ScalarMap[str, int]
+    def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "layout_signature", "slot_bytes", "uptime_s", "events_dropped")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    sessions: int
+    reserved_slots: int
+    acquired_slots: int
+    layout_signature: str
+    slot_bytes: int
+    uptime_s: float
+    events_dropped: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., layout_signature: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("kind", "tier", "hash", "parent_hash")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
+        STORED: _ClassVar[BlockEvent.Kind]
+        REMOVED: _ClassVar[BlockEvent.Kind]
+    KIND_UNSPECIFIED: BlockEvent.Kind
+    STORED: BlockEvent.Kind
+    REMOVED: BlockEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    kind: BlockEvent.Kind
+    tier: str
+    hash: bytes
+    parent_hash: bytes
+    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., tier: _Optional[str] = ..., hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""Prometheus metrics: the tiers' counters read at scrape time, plus RPC latency histograms.
+
+Counters live in the tiers as plain integers (``TierCounters``); a custom collector turns a
+``Daemon.stats()`` snapshot into metric families on each scrape, so the hot path pays nothing
+for Prometheus. Only RPC latencies are observed as they happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# counter field -> (metric name without the kvtier_ prefix, help)
+_COUNTERS = {
+    "query_tokens": ("query_tokens", "Tokens asked of the tier"),
+    "hit_tokens": ("hit_tokens", "Tokens the tier held when asked"),
+    "blocks_stored": ("blocks_stored", "Blocks committed into the tier"),
+    "blocks_loaded": ("blocks_loaded", "Blocks read out of the tier"),
+    "blocks_evicted": ("blocks_evicted", "Blocks evicted from the tier"),
+    "blocks_spilled": ("blocks_spilled", "Evicted blocks written to the tier below"),
+    "blocks_promoted": ("blocks_promoted", "Blocks promoted into the tier from below"),
+    "blocks_deduplicated": ("blocks_deduplicated", "Stores skipped as already held"),
+    "blocks_dropped": ("blocks_dropped", "Blocks dropped without being stored below"),
+    "bytes_in": ("bytes_in", "Bytes written into the tier"),
+    "bytes_out": ("bytes_out", "Bytes read out of the tier"),
+    "checksum_failures": ("checksum_failures", "Blocks dropped for a bad checksum"),
+}
+_GAUGES = {
+    "used_blocks": ("used_blocks", "Blocks held by the tier"),
+    "capacity_blocks": ("capacity_blocks", "Blocks the tier can hold"),
+    "used_bytes": ("used_bytes", "Bytes held by the tier"),
+    "capacity_bytes": ("capacity_bytes", "Bytes the tier can hold"),
+}
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5)
+
+
+class StatsCollector(Collector):
+    """Metric families built from a stats snapshot at each scrape."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        for field, (name, doc) in _COUNTERS.items():
+            family = CounterMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            for tier in stats["tiers"]:
+                family.add_metric([tier["tier"]], tier[field])
+            yield family
+        for field, (name, doc) in _GAUGES.items():
+            family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            for tier in stats["tiers"]:
+                family.add_metric([tier["tier"]], tier[field])
+            yield family
+        # Counters added to TierCounters after this table still reach Prometheus.
+        newer = sorted({k for t in stats["tiers"] for k in t} - set(_COUNTERS) - set(_GAUGES))
+        for field in newer:
+            if field == "tier":
+                continue
+            family = GaugeMetricFamily(f"kvtier_{field}", f"TierCounters.{field}", labels=["tier"])
+            for tier in stats["tiers"]:
+                family.add_metric([tier["tier"]], tier.get(field, 0))
+            yield family
+        yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
+        yield GaugeMetricFamily(
+            "kvtier_reserved_slots",
+            "Host slots reserved by sessions",
+            value=stats["reserved_slots"],
+        )
+        yield GaugeMetricFamily(
+            "kvtier_acquired_slots",
+            "Host slot reads held by sessions",
+            value=stats["acquired_slots"],
+        )
+        yield CounterMetricFamily(
+            "kvtier_events_dropped",
+            "Block events a slow watcher lost",
+            value=stats["events_dropped"],
+        )
+
+
+class Metrics:
+    """The daemon's registry: the stats collector and the RPC latency histogram."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(snapshot))
+        self.rpc_seconds = Histogram(
+            "kvtier_rpc_seconds",
+            "Daemon RPC latency by method and outcome",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method, code).observe(seconds)

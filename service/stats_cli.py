@@ -1,0 +1,123 @@
+"""``kvtier stats``: a running daemon's hits per tier, as a table or JSON.
+
+Asks the daemon's ``Stats`` call over its unix socket (or ``--target`` with a token), so it
+needs no HTTP port. ``--watch`` redraws every few seconds until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+_COLUMNS = (
+    ("tier", "tier", "{}"),
+    ("query tok", "query_tokens", "{:,}"),
+    ("hit tok", "hit_tokens", "{:,}"),
+    ("hit rate", None, "{:.1%}"),
+    ("blocks", "used_blocks", "{:,}"),
+    ("capacity", "capacity_blocks", "{:,}"),
+    ("stored", "blocks_stored", "{:,}"),
+    ("loaded", "blocks_loaded", "{:,}"),
+    ("evicted", "blocks_evicted", "{:,}"),
+    ("promoted", "blocks_promoted", "{:,}"),
+    ("bad sums", "checksum_failures", "{:,}"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the raw counters as JSON")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C",
+    )
+    parser.add_argument("--name", default=contract.DEFAULT_NAME, help="daemon name")
+    parser.add_argument("--target", help="unix:/path or host:port (default: the daemon's socket)")
+    parser.add_argument(
+        "--token-file", type=Path, help=f"token for TCP (else ${contract.TOKEN_ENV})"
+    )
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = args.target or contract.unix_target(contract.default_socket(args.name))
+    token = args.token_file.read_text().strip() if args.token_file else None
+    metadata = contract.bearer(token) if token else None
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.KvTierStub(channel)
+        while True:
+            try:
+                stats = stub.Stats(pb.StatsRequest(), timeout=args.timeout, metadata=metadata)
+            except grpc.RpcError as exc:
+                print(
+                    f"kvtier stats: no daemon at {target} ({exc.code().name}: {exc.details()})",
+                    file=sys.stderr,
+                )
+                return 1
+            text = render_json(stats) if args.json else render_table(stats)
+            if args.watch is None:
+                print(text)
+                return 0
+            print("\033[2J\033[H" + text, flush=True)
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
+
+
+def render_json(stats: pb.StatsResponse) -> str:
+    return json.dumps(
+        MessageToDict(
+            stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        ),
+        indent=2,
+    )
+
+
+def render_table(stats: pb.StatsResponse) -> str:
+    """Hits per tier with the token hit rate, then the daemon's sessions and layout."""
+    rows = [[title for title, _, _ in _COLUMNS]]
+    for tier in stats.tiers:
+        row = []
+        for _, field, fmt in _COLUMNS:
+            if field is None:
+                rate = tier.hit_tokens / tier.query_tokens if tier.query_tokens else 0.0
+                row.append(fmt.format(rate))
+            else:
+                row.append(fmt.format(getattr(tier, field)))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    if not stats.tiers:
+        lines.append("(no layout yet: no client has opened a session)")
+    total_query = stats.tiers[0].query_tokens if stats.tiers else 0
+    total_hit = sum(t.hit_tokens for t in stats.tiers)
+    overall = total_hit / total_query if total_query else 0.0
+    lines.append("")
+    lines.append(
+        f"daemon hit rate {overall:.1%} of {total_query:,} tokens asked; "
+        f"{stats.sessions} sessions, {stats.reserved_slots} slots reserved, "
+        f"{stats.acquired_slots} acquired; up {stats.uptime_s:,.0f} s"
+    )
+    if stats.layout_signature:
+        lines.append(f"layout {stats.layout_signature}, {stats.slot_bytes:,} B blocks")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Daemon test helpers: a real ``kvtier serve`` process, raw stubs and a client."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.connector.client import DaemonClient
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+SIGNATURE = bytes(range(16))
+BLOCK_BYTES = 8192
+START_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def block_hash(tag: str, i: int) -> bytes:
+    """A distinct 16-byte hash per (tag, i)."""
+    return uuid.uuid5(uuid.NAMESPACE_OID, f"{tag}/{i}").bytes
+
+
+def content(block_hash: bytes, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
+    """The bytes a block named ``block_hash`` holds in these tests."""
+    rng = np.random.default_rng(int.from_bytes(block_hash[:8], "little"))
+    return rng.integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+@dataclass
+class Daemon:
+    """A ``kvtier serve`` subprocess on private paths (socket, arena name, data dir)."""
+
+    host_bytes: int = 64 * BLOCK_BYTES
+    disk_bytes: int = 4096 * BLOCK_BYTES
+    lease_s: float = 30.0
+    tcp_port: int | None = None
+    token: str | None = None
+    extra: list[str] = field(default_factory=list)
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp")))
+    name: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
+    stats_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "d.sock"
+
+    @property
+    def target(self) -> str:
+        return contract.unix_target(self.socket)
+
+    @property
+    def log(self) -> Path:
+        return self.root / "daemon.log"
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.service.serve",
+            "--name",
+            self.name,
+            "--socket",
+            str(self.socket),
+            "--data-dir",
+            str(self.root / "data"),
+            "--host-bytes",
+            str(self.host_bytes),
+            "--disk-bytes",
+            str(self.disk_bytes),
+            "--stats-port",
+            str(self.stats_port),
+            "--lease-s",
+            str(self.lease_s),
+            *self.extra,
+        ]
+        if self.tcp_port is not None:
+            (self.root / "token").write_text(self.token or "")
+            cmd += ["--tcp", f"127.0.0.1:{self.tcp_port}", "--token-file", str(self.root / "token")]
+        return cmd
+
+    def start(self) -> Daemon:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        self.wait_serving()
+        return self
+
+    def wait_serving(self) -> None:
+        """Blocks until the health service says SERVING (the daemon is fully up)."""
+        with grpc.insecure_channel(self.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=START_TIMEOUT_S, wait_for_ready=True
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, self.log.read_text()
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=60)
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        return self.kill(signal.SIGTERM)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+        Path("/dev/shm", f"kvtier-{self.name}").unlink(missing_ok=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def stub(self) -> tuple[grpc.Channel, pb_grpc.KvTierStub]:
+        channel = grpc.insecure_channel(self.target, options=contract.CHANNEL_OPTIONS)
+        return channel, pb_grpc.KvTierStub(channel)
+
+    def client(self, **kwargs) -> DaemonClient:
+        kwargs.setdefault("block_tokens", 16)
+        client = DaemonClient(SIGNATURE, BLOCK_BYTES, target=self.target, **kwargs)
+        assert client.wait_connected(START_TIMEOUT_S), self.log.read_text()
+        return client
+
+    def stats(self) -> pb.StatsResponse:
+        channel, stub = self.stub()
+        with channel:
+            return stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+def open_session(
+    stub: pb_grpc.KvTierStub, signature: bytes = SIGNATURE, block_bytes: int = BLOCK_BYTES, **kwargs
+) -> pb.OpenResponse:
+    return stub.Open(
+        pb.OpenRequest(
+            client_name="raw",
+            layout_signature=signature,
+            block_bytes=block_bytes,
+            block_tokens=16,
+            protocol_version=contract.PROTOCOL_VERSION,
+        ),
+        timeout=10,
+        **kwargs,
+    )
+
+
+def store(client: DaemonClient, hashes: list[bytes]) -> list[bytes]:
+    """Reserves, writes and commits ``hashes``; returns those this call stored."""
+    slots = client.reserve(hashes)
+    mine = [(h, s) for h, s in zip(hashes, slots, strict=True) if s >= 0]
+    for h, s in mine:
+        client.slab[s].numpy()[:] = content(h)
+    assert client.commit([s for _, s in mine])
+    return [h for h, _ in mine]
+
+
+def load(client: DaemonClient, hashes: list[bytes]) -> list[bytes]:
+    """Acquires, checks and releases ``hashes``; returns those that came back exact."""
+    slots = client.acquire(hashes)
+    try:
+        for h, s in zip(hashes, slots, strict=False):
+            np.testing.assert_array_equal(client.slab[s].numpy(), content(h))
+    finally:
+        client.release(slots)
+    return hashes[: len(slots)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,146 @@
+"""SIGKILL a client mid-store and mid-load, and the daemon under write load."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, content, load, store
+
+HOST_SLOTS = 32
+
+
+def poll(condition, what: str, timeout: float = 60.0) -> None:
+    """Waits for ``condition()`` (the daemon reacts asynchronously); fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def hold(target: str, mode: str, hashes: list[bytes], ready) -> None:
+    """A client that stops half-way through a store or a load and waits to be killed."""
+    from kvtier.connector.client import DaemonClient
+
+    from daemonutil import SIGNATURE
+
+    client = DaemonClient(SIGNATURE, BLOCK_BYTES, target=target)
+    assert client.wait_connected(60)
+    if mode == "store":
+        slots = client.reserve(hashes)
+        assert all(s >= 0 for s in slots)
+        half = BLOCK_BYTES // 2
+        client.slab[slots[0]].numpy()[:half] = content(hashes[0])[:half]
+    else:
+        assert len(client.acquire(hashes)) == len(hashes)
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=HOST_SLOTS * BLOCK_BYTES).start()
+    yield d
+    d.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["store", "load"])
+def test_client_killed_mid_transfer_leaks_nothing(daemon, mode):
+    client = daemon.client()
+    hashes = [block_hash(f"kill-{mode}", i) for i in range(8)]
+    if mode == "load":
+        assert store(client, hashes) == hashes
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    victim = ctx.Process(target=hold, args=(daemon.target, mode, hashes, ready), daemon=True)
+    victim.start()
+    assert ready.wait(90), "the victim never got its slots"
+    held = daemon.stats()
+    assert (held.reserved_slots, held.acquired_slots) == ((8, 0) if mode == "store" else (0, 8))
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(30)
+    poll(lambda: daemon.stats().sessions == 1, "the victim's session to end")
+    after = daemon.stats()
+    assert (after.reserved_slots, after.acquired_slots) == (0, 0)
+    if mode == "store":
+        # nothing half-written is readable, and the hashes can be stored again
+        assert client.lookup(hashes).total == 0
+        assert client.acquire(hashes) == []
+        assert store(client, hashes) == hashes
+    assert load(client, hashes) == hashes
+    # every slot is free or evictable: a full arena of new blocks finds room
+    fresh = [block_hash(f"fill-{mode}", i) for i in range(HOST_SLOTS)]
+    assert all(s >= 0 for s in client.reserve(fresh))
+    client.close()
+    assert daemon.stop() == 0
+
+
+def write_load(target: str, index: int, log_path: str) -> None:
+    """Stores batches forever, logging each batch once its commit has returned."""
+    from kvtier.connector.client import DaemonClient
+
+    from daemonutil import SIGNATURE
+
+    client = DaemonClient(SIGNATURE, BLOCK_BYTES, target=target, timeout_s=5)
+    assert client.wait_connected(60)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for batch in range(10**6):
+        hashes = [block_hash(f"load{index}", batch * 4 + i) for i in range(4)]
+        slots = client.reserve(hashes)
+        if any(s < 0 for s in slots):
+            return
+        for h, s in zip(hashes, slots, strict=True):
+            client.slab[s].numpy()[:] = content(h)
+        if not client.commit(slots):
+            return
+        os.write(fd, b"".join(h.hex().encode() + b"\n" for h in hashes))
+
+
+def committed(paths: list[Path]) -> list[bytes]:
+    out = []
+    for path in paths:
+        if path.exists():
+            out += [
+                bytes.fromhex(line)
+                for line in path.read_text().splitlines(keepends=True)
+                if line.endswith("\n")
+            ]
+    return out
+
+
+def test_daemon_killed_under_write_load_keeps_every_commit():
+    d = Daemon(host_bytes=HOST_SLOTS * BLOCK_BYTES).start()
+    try:
+        logs = [d.root / f"writer{i}.log" for i in range(2)]
+        ctx = multiprocessing.get_context("spawn")
+        writers = [
+            ctx.Process(target=write_load, args=(d.target, i, str(logs[i])), daemon=True)
+            for i in range(2)
+        ]
+        for w in writers:
+            w.start()
+        poll(lambda: len(committed(logs)) >= 160, "writers to commit 160 blocks", 90)
+        d.kill(signal.SIGKILL)
+        for w in writers:
+            w.join(30)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        done = committed(logs)
+        assert len(done) >= 160
+        d.proc = None
+        d.start()  # same name, socket and data dir: replaces the dead daemon's arena
+        client = d.client()
+        for i in range(0, len(done), 16):
+            chunk = done[i : i + 16]
+            assert load(client, chunk) == chunk, f"lost committed blocks after {i}"
+        assert client.failures == 0
+        client.close()
+        assert d.stop() == 0
+    finally:
+        d.cleanup()
