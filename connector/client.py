@@ -79,6 +79,12 @@ class DaemonClient:
         self.counters = TierCounters("host")
         self.failures = 0
         self.sessions_opened = 0
+        # On this host the daemon can see whether this process is gone (pid + pid namespace).
+        self._local_identity = (
+            {"client_pid": os.getpid(), "client_pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+            if self.target.startswith("unix:")
+            else {}
+        )
         self._arena = ArenaView(block_bytes)
         self.slab = self._arena.slab
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
@@ -372,6 +378,7 @@ class DaemonClient:
             block_bytes=self.block_bytes,
             block_tokens=self.block_tokens,
             protocol_version=contract.PROTOCOL_VERSION,
+            **self._local_identity,
         )
         return self._stub.Open(request, timeout=self.timeout_s, metadata=self._metadata)
 

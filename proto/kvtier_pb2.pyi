@@ -17,18 +17,22 @@ ALREADY_STORED: SlotStatus
 NO_SPACE: SlotStatus
 
 class OpenRequest(_message.Message):
-    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version")
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_PID_NS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout_signature: bytes
     block_bytes: int
     block_tokens: int
     protocol_version: int
-    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    client_pid: int
+    client_pid_ns: int
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes")

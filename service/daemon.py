@@ -9,6 +9,7 @@ the event loop by the servicer.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
+from kvtier.service.liveness import process_gone
 from kvtier.service.sessions import Leftovers, Session, SessionError, SessionTable
 from kvtier.service.store import BlockStore
 from kvtier.service.wire import check_hash, invalid
@@ -24,6 +26,8 @@ from kvtier.tiers.host import LowerHits
 log = logging.getLogger(__name__)
 
 SIGNATURE_BYTES = 16
+QUARANTINE_S = 10.0
+"""How long a lost live client's slots stay held: far longer than any copy of one batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,8 @@ class Daemon:
         self.store = store
         self.sessions = SessionTable(config.lease_s)
         self.daemon_id = uuid.uuid4().hex
+        self._quarantine: list[tuple[float, Leftovers]] = []
+        self._quarantine_lock = threading.Lock()
         self._started = time.monotonic()
 
     # ---- sessions ----
@@ -52,6 +58,8 @@ class Daemon:
         block_bytes: int,
         block_tokens: int,
         protocol_version: int,
+        client_pid: int = 0,
+        client_pid_ns: int = 0,
     ) -> Opened:
         if protocol_version != PROTOCOL_VERSION:
             raise invalid(
@@ -62,7 +70,7 @@ class Daemon:
         if block_bytes <= 0:
             raise invalid("block_bytes must be positive")
         self.store.open_layout(signature, block_bytes)
-        session = self.sessions.open(client_name[:128], block_tokens)
+        session = self.sessions.open(client_name[:128], block_tokens, client_pid, client_pid_ns)
         log.info("session %s opened by %r", session.session_id[:8], session.client_name)
         return Opened(session, self.store.num_slots, self.store.block_bytes)
 
@@ -79,7 +87,7 @@ class Daemon:
         """The keep-alive stream ended: the session ends with it."""
         left = self.sessions.detach(session_id)
         if left is not None:
-            self._give_back(left)
+            self._give_back_after_loss(left)
             log.info(
                 "session %s ended with its keep-alive stream (%d reserved and %d "
                 "acquired slots given back)",
@@ -89,10 +97,16 @@ class Daemon:
             )
 
     def reap(self) -> int:
-        """Ends lapsed sessions; returns how many."""
+        """Ends lapsed sessions and frees quarantined slots that are due; returns sessions ended."""
+        now = time.monotonic()
+        with self._quarantine_lock:
+            due = [left for until, left in self._quarantine if until <= now]
+            self._quarantine = [(t, left) for t, left in self._quarantine if t > now]
+        for left in due:
+            self._give_back(left)
         ended = self.sessions.reap()
         for session, left in ended:
-            self._give_back(left)
+            self._give_back_after_loss(left)
             log.warning(
                 "session %s of %r lapsed (%d reserved and %d acquired slots given back)",
                 session.session_id[:8],
@@ -104,6 +118,10 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Ends every session, then flushes and closes the store."""
+        with self._quarantine_lock:
+            held, self._quarantine = self._quarantine, []
+        for _, left in held:
+            self._give_back(left)
         self._give_back(self.sessions.close_all())
         self.store.close()
 
@@ -179,6 +197,26 @@ class Daemon:
             "uptime_s": time.monotonic() - self._started,
             "events_dropped": store.events.dropped,
         }
+
+    def _give_back_after_loss(self, left: Leftovers) -> None:
+        """Frees what a session that ended without ``Close`` held, once that is safe.
+
+        A client that is gone copies nothing more, so its slots come back at once. A live one
+        that lost its stream may still have a copy in flight into a reserved slot, or out of
+        an acquired one: those slots stay held (unreadable, unevictable) for ``QUARANTINE_S``
+        so that they are never reused under that copy.
+        """
+        if process_gone(left.client_pid, left.client_pid_ns):
+            self._give_back(left)
+        elif left.reserved or left.acquired:
+            with self._quarantine_lock:
+                self._quarantine.append((time.monotonic() + QUARANTINE_S, left))
+            log.warning(
+                "holding %d slots of a live client (pid %d) for %.0f s before reuse",
+                len(left.reserved) + len(left.acquired),
+                left.client_pid,
+                QUARANTINE_S,
+            )
 
     def _give_back(self, left: Leftovers) -> None:
         if left.reserved:

@@ -100,6 +100,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             request.block_bytes,
             request.block_tokens,
             request.protocol_version,
+            request.client_pid,
+            request.client_pid_ns,
         )
         arena = self.daemon.store.arena
         return pb.OpenResponse(

@@ -39,6 +39,8 @@ class Session:
     acquired: Counter[int] = field(default_factory=Counter)
     streams: int = 0
     """Keep-alive streams open; a session with one never lapses."""
+    client_pid: int = 0
+    client_pid_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -47,6 +49,8 @@ class Leftovers:
 
     reserved: list[int]
     acquired: list[int]
+    client_pid: int = 0
+    client_pid_ns: int = 0
 
 
 class SessionTable:
@@ -62,9 +66,16 @@ class SessionTable:
         with self._lock:
             return len(self._sessions)
 
-    def open(self, client_name: str, block_tokens: int) -> Session:
+    def open(
+        self, client_name: str, block_tokens: int, client_pid: int = 0, client_pid_ns: int = 0
+    ) -> Session:
         session = Session(
-            secrets.token_hex(16), client_name, block_tokens, self._clock() + self.lease_s
+            secrets.token_hex(16),
+            client_name,
+            block_tokens,
+            self._clock() + self.lease_s,
+            client_pid=client_pid,
+            client_pid_ns=client_pid_ns,
         )
         with self._lock:
             self._sessions[session.session_id] = session
@@ -178,4 +189,9 @@ class SessionTable:
 
 
 def _leftovers(session: Session) -> Leftovers:
-    return Leftovers(sorted(session.reserved), list(session.acquired.elements()))
+    return Leftovers(
+        sorted(session.reserved),
+        list(session.acquired.elements()),
+        session.client_pid,
+        session.client_pid_ns,
+    )

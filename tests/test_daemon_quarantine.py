@@ -1,0 +1,71 @@
+"""Slots of a session that ends without Close: back at once if the client is gone, else later."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.proto.contract import PROTOCOL_VERSION
+from kvtier.service import daemon as daemon_module
+from kvtier.service.arena import Arena
+from kvtier.service.config import DaemonConfig
+from kvtier.service.daemon import Daemon
+from kvtier.service.events import EventHub
+from kvtier.service.liveness import pid_namespace, process_gone
+from kvtier.service.store import BlockStore
+from kvtier.tiers.host import ALREADY_STORED
+
+BLOCK = 4096
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_process_gone():
+    ns = pid_namespace()
+    assert not process_gone(os.getpid(), ns)
+    assert process_gone(dead_pid(), ns)
+    assert not process_gone(dead_pid(), ns + 1)  # another namespace: never taken for gone
+    assert not process_gone(0, ns)
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    cfg = DaemonConfig(name="unit-quarantine", host_bytes=4 * BLOCK, disk_bytes=0)
+    arena = Arena("kvtier-unit-quarantine", cfg.host_bytes, directory=tmp_path)
+    loop = asyncio.new_event_loop()
+    d = Daemon(cfg, BlockStore(cfg, arena, EventHub(loop)))
+    yield d
+    d.shutdown()
+    arena.close()
+    loop.close()
+
+
+def lose_session(d: Daemon, pid: int, block_hash: bytes) -> None:
+    """Opens a session for ``pid``, reserves one slot, then loses the keep-alive stream."""
+    sid = d.open("c", b"s" * 16, BLOCK, 16, PROTOCOL_VERSION, pid, pid_namespace()).session
+    d.attach(sid.session_id)
+    assert d.reserve(sid.session_id, [block_hash])[0] >= 0
+    d.detach(sid.session_id)
+
+
+def test_lost_live_client_slots_stay_held_until_quarantine_ends(daemon, monkeypatch):
+    gone, live = b"g" * 16, b"l" * 16
+    lose_session(daemon, dead_pid(), gone)
+    lose_session(daemon, os.getpid(), live)
+    host = daemon.store.host
+    assert host.reserve([gone])[0] >= 0  # the dead client's slot came back at once
+    assert host.reserve([live]) == [ALREADY_STORED]  # the live one's is still held
+    daemon.reap()
+    assert host.reserve([live]) == [ALREADY_STORED]
+    later = daemon_module.time.monotonic() + daemon_module.QUARANTINE_S + 1
+    monkeypatch.setattr(daemon_module.time, "monotonic", lambda: later)
+    daemon.reap()
+    assert host.reserve([live])[0] >= 0
