@@ -1,0 +1,102 @@
+"""The schema of ``kv_connector_extra_config`` for ``KVTierConnector``.
+
+Every key is declared here with its type and default; an unknown key or a value of the wrong
+type is a start-up error naming the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.proto import contract
+
+STORE_POLICIES = ("on_compute", "on_finish")
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierConfig:
+    """What ``KVTierConnector`` reads from ``kv_connector_extra_config``."""
+
+    endpoint: str | None = None
+    """gRPC target of the daemon: ``unix:///run/kvtier/kvtier.sock`` or ``host:port``.
+    Default: the unix socket of the daemon called ``daemon_name``."""
+    daemon_name: str = contract.DEFAULT_NAME
+    """Name of a local daemon started without ``--socket`` (``kvtier serve --name``)."""
+    token_file: str | None = None
+    """File holding the shared token a TCP daemon requires (default: ``$KVTIER_TOKEN``)."""
+    model_id: str | None = None
+    """Names the model in every block hash. Default: vLLM's ``--model``. Set it when the same
+    weights are served from different paths, so engines share blocks."""
+    store_policy: str = "on_compute"
+    """``on_compute``: store each block once it is full. ``on_finish``: store a request's
+    blocks when it finishes (its blocks are freed once the copy has read them)."""
+    load_async: bool = True
+    """Load hits between steps (the request waits in ``WAITING_FOR_REMOTE_KVS``); ``false``
+    loads them in the step that computes the rest of the prompt."""
+    timeout_s: float = 2.0
+    """Deadline of every daemon call but commit; a late answer counts as a miss."""
+    commit_timeout_s: float = 10.0
+    """Deadline of a commit, which waits for the daemon's disk tier to make blocks durable."""
+    connect_wait_s: float = 5.0
+    """How long start-up waits for the first daemon session (0: do not wait). Without a
+    session every lookup is a miss; the client keeps reconnecting in the background."""
+    min_hit_blocks: int = 1
+    """Fewest blocks worth loading; shorter hits are recomputed."""
+
+    def __post_init__(self) -> None:
+        if self.store_policy not in STORE_POLICIES:
+            raise ValueError(
+                f"kv_connector_extra_config.store_policy must be one of {STORE_POLICIES}, "
+                f"got {self.store_policy!r}"
+            )
+        for name in ("timeout_s", "commit_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv_connector_extra_config.{name} must be positive")
+        if self.connect_wait_s < 0:
+            raise ValueError("kv_connector_extra_config.connect_wait_s must be >= 0")
+        if self.min_hit_blocks < 1:
+            raise ValueError("kv_connector_extra_config.min_hit_blocks must be >= 1")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVTierConfig:
+        """Validates ``extra`` against the fields above and builds the config."""
+        extra = dict(extra or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        for key, value in extra.items():
+            _check_type(key, value, known[key])
+        return cls(**extra)
+
+    def target(self) -> str:
+        """The gRPC target the client dials."""
+        if self.endpoint:
+            return self.endpoint
+        return contract.unix_target(contract.default_socket(self.daemon_name))
+
+    def token(self) -> str | None:
+        """The shared token from ``token_file``, or None to let the client read the env."""
+        if self.token_file is None:
+            return None
+        return Path(self.token_file).read_text().strip()
+
+
+def _check_type(key: str, value: Any, field: dataclasses.Field) -> None:
+    annotation = str(field.type)
+    if annotation.startswith("bool"):
+        ok = isinstance(value, bool)
+    elif annotation.startswith("int"):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif annotation.startswith("float"):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:  # str or str | None
+        ok = isinstance(value, str) or (value is None and "None" in annotation)
+    if not ok:
+        raise ValueError(f"kv_connector_extra_config.{key} must be {annotation}, got {value!r}")

@@ -1,0 +1,93 @@
+"""kvtier's counters inside vLLM's connector stats, its log line and its ``/metrics``.
+
+Both sides count: the scheduler its lookups and the tokens each tier supplied, every worker
+its copies, dedups and failures. vLLM sums the workers' and the scheduler's ``KVTierStats``
+each step (``aggregate``), logs ``reduce()`` periodically and feeds the same dict to
+``KVTierPromMetrics``, which exports one ``vllm:kvtier_<name>_total`` counter per key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+COUNTERS: dict[str, str] = {
+    "lookup_tokens": "Prompt tokens looked up in kvtier beyond vLLM's own GPU hit",
+    "host_hit_tokens": "Tokens loaded from kvtier's host tier",
+    "disk_hit_tokens": "Tokens loaded from kvtier's disk tier",
+    "daemon_failures": "kvtier daemon calls that failed (each counted as a miss)",
+    "loaded_blocks": "Blocks copied from kvtier into vLLM's KV cache",
+    "load_failed_blocks": "Blocks whose load failed and were recomputed",
+    "stored_blocks": "Blocks copied from vLLM's KV cache into kvtier",
+    "deduplicated_blocks": "Blocks not stored because kvtier already held them",
+    "store_failed_blocks": "Blocks not stored (no free slot, daemon down or commit refused)",
+    "loaded_bytes": "Bytes copied from kvtier into vLLM's KV cache",
+    "stored_bytes": "Bytes copied from vLLM's KV cache into kvtier",
+}
+
+
+class KVTierStats(KVConnectorStats):
+    """Integer counters since the last report, keyed as in ``COUNTERS``."""
+
+    def add(self, key: str, value: int) -> None:
+        if key not in COUNTERS:
+            raise KeyError(f"unknown kvtier counter {key!r}")
+        if value:
+            self.data[key] = self.data.get(key, 0) + value
+
+    def take(self) -> KVTierStats | None:
+        """The counts so far (None if all zero), and a fresh start."""
+        if self.is_empty():
+            return None
+        taken = KVTierStats(data=self.data)
+        self.data = {}
+        return taken
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced: dict[str, int | float] = dict(self.data)
+        lookups = reduced.get("lookup_tokens", 0)
+        if lookups:
+            hits = reduced.get("host_hit_tokens", 0) + reduced.get("disk_hit_tokens", 0)
+            reduced["hit_rate"] = round(hits / lookups, 4)
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per kvtier key, labelled like vLLM's own metrics."""
+
+    def __init__(
+        self,
+        vllm_config,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, documentation in COUNTERS.items():
+            metric = self._counter_cls(
+                name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames
+            )
+            self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)

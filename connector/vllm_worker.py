@@ -1,0 +1,254 @@
+"""The worker half of ``KVTierConnector``: copies between vLLM's KV cache and the daemon.
+
+Loads: ``Acquire`` pins the host slots holding the planned hashes (promoting disk hits), the
+copy engine copies them into vLLM's blocks on its load stream, and the slots are released
+once the copy has read them. A sync load is acquired and queued before the forward pass,
+which is ordered after it; an async load is acquired on a helper thread and copied when the
+answer is there, and its request is reported in ``finished_recving`` when the copy lands.
+Whatever the daemon could not supply (gone, down, checksum miss) is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it.
+
+Stores: at ``wait_for_save``, after the step's forward has been queued, ONE ``Reserve`` per
+step gets slots for the newly full blocks (the daemon answers "already stored" for blocks it
+holds, which are skipped), the copy engine copies them on its store stream after an event
+recorded on the compute stream, and a helper thread commits the slots when the bytes are in.
+Finished requests whose blocks vLLM holds for us are reported in ``finished_sending`` once no
+store reads them any more.
+
+Daemon calls that may wait on the daemon's disk (commit, release) never run on the engine's
+thread; the rest are bounded by the client's deadline and never raise for daemon trouble.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.connector.client import DaemonClient
+from kvtier.connector.vllm_config import KVTierConfig
+from kvtier.connector.vllm_layout import layer_views
+from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
+from kvtier.connector.vllm_stats import KVTierStats
+from kvtier.tiers.copy_engine import CopyEngine, Transfer
+from kvtier.tiers.host import ALREADY_STORED
+from kvtier.tiers.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _AsyncLoad:
+    """An async load between its ``Acquire`` and the end of its copy."""
+
+    spec: LoadSpec
+    acquired: Future[list[int]]
+    transfer: Transfer | None = None
+    landed: bool = False
+
+
+class WorkerSide:
+    """Moves blocks for one worker (one tensor-parallel rank)."""
+
+    def __init__(self, config: KVTierConfig, layout: KVLayout, layer_names: list[str], rank: int):
+        self.config = config
+        self.layout = layout
+        self.layer_names = layer_names
+        self.rank = rank
+        self.client = DaemonClient(
+            layout.signature,
+            layout.block_bytes,
+            block_tokens=layout.block_size,
+            target=config.target(),
+            token=config.token(),
+            client_name=f"vllm-worker-{rank}",
+            timeout_s=config.timeout_s,
+            commit_timeout_s=config.commit_timeout_s,
+        )
+        if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
+            log.warning(
+                "kvtier daemon %s not reachable yet; loads miss until it is", config.target()
+            )
+        self.stats = KVTierStats()
+        self.engine: CopyEngine | None = None
+        # Acquire answers for async loads; releases and commits, which may wait on the disk.
+        self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-acquire")
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-commit")
+        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._stores_in_flight: list[Transfer] = []
+        self._storing: Counter[str] = Counter()
+        self._held: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._commits: deque[tuple[int, bool]] = deque()  # (blocks, ok), from the committer
+
+    # ---- set-up and teardown ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views = layer_views(self.layout, kv_caches, self.layer_names)
+        self.engine = CopyEngine(self.layout, views, self.client.slab)
+        log.info(
+            "kvtier worker %d: %d layers, %d blocks of %d B on %s",
+            self.rank,
+            self.layout.num_layers,
+            views[0].shape[0],
+            self.layout.block_bytes,
+            views[0].device,
+        )
+
+    def drain(self) -> None:
+        """Waits until every copy has landed and every commit and release has been answered."""
+        if self.engine is not None:
+            self.engine.synchronize()
+        self._finisher.submit(lambda: None).result()
+
+    def shutdown(self) -> None:
+        """Lets every copy land, hands every slot back and closes the session."""
+        for load in self._async_loads.values():
+            if load.transfer is None:
+                self._release(load.acquired.result())
+        self._async_loads.clear()
+        self.drain()
+        self._acquirer.shutdown(wait=True)
+        self._finisher.shutdown(wait=True)
+        self.client.close()
+
+    # ---- the step ----
+
+    def handle_preemptions(self, meta: KVTierMetadata) -> None:
+        """Orders this step's work after stores still reading blocks vLLM just freed."""
+        if meta.preempted:
+            for transfer in self._stores_in_flight:
+                transfer.order_before()
+
+    def start_load_kv(self, meta: KVTierMetadata) -> None:
+        for spec in meta.loads:
+            if spec.sync:
+                self._load_now(spec)
+            else:
+                hashes = unpack(spec.hashes[self.rank])
+                self._async_loads[spec.req_id] = _AsyncLoad(
+                    spec, self._acquirer.submit(self.client.acquire, hashes)
+                )
+
+    def wait_for_save(self, meta: KVTierMetadata) -> None:
+        self._held |= meta.hold
+        if meta.stores:
+            self._store(meta.stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) as of now; never blocks on a copy."""
+        assert self.engine is not None, "register_kv_caches was not called"
+        for load in self._async_loads.values():
+            if load.transfer is None and load.acquired.done():
+                self._copy_async(load)
+        self.engine.poll()
+        self._stores_in_flight = [t for t in self._stores_in_flight if not t.done()]
+        recving = {req_id for req_id, load in self._async_loads.items() if load.landed}
+        for req_id in recving:
+            del self._async_loads[req_id]
+        sending = {req_id for req_id in self._held if not self._storing[req_id]}
+        self._held -= sending
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> KVTierStats | None:
+        while self._commits:
+            blocks, ok = self._commits.popleft()
+            if ok:
+                self.stats.add("stored_blocks", blocks)
+                self.stats.add("stored_bytes", blocks * self.layout.block_bytes)
+            else:
+                self.stats.add("store_failed_blocks", blocks)
+        return self.stats.take()
+
+    # ---- loads ----
+
+    def _load_now(self, spec: LoadSpec) -> None:
+        hashes = unpack(spec.hashes[self.rank])
+        slots = self.client.acquire(hashes)
+        transfer = self._copy_in(spec, slots, landed=None)
+        if transfer is not None:
+            transfer.order_before()  # this step's attention reads the blocks
+
+    def _copy_async(self, load: _AsyncLoad) -> None:
+        transfer = self._copy_in(load.spec, load.acquired.result(), landed=load)
+        if transfer is None:
+            load.landed = True
+        else:
+            load.transfer = transfer
+
+    def _copy_in(
+        self, spec: LoadSpec, slots: list[int], landed: _AsyncLoad | None
+    ) -> Transfer | None:
+        """Copies the acquired prefix of a load; the rest of its blocks are load errors."""
+        missing = spec.block_ids[len(slots) :]
+        if missing:
+            self._load_errors.update(missing)
+            self.stats.add("load_failed_blocks", len(missing))
+            log.info(
+                "kvtier: %d of %d blocks of %s not loadable; recomputing them",
+                len(missing),
+                len(spec.block_ids),
+                spec.req_id,
+            )
+        if not slots:
+            return None
+        n = len(slots)
+        self.stats.add("loaded_blocks", n)
+        self.stats.add("loaded_bytes", n * self.layout.block_bytes)
+
+        def done() -> None:
+            self._finisher.submit(self.client.release, slots)
+            if landed is not None:
+                landed.landed = True
+
+        return self.engine.load(slots, spec.block_ids[:n], callback=done)
+
+    def _release(self, slots: list[int]) -> None:
+        if slots:
+            self._finisher.submit(self.client.release, slots)
+
+    # ---- stores ----
+
+    def _store(self, specs: list[StoreSpec]) -> None:
+        hashes: list[bytes] = []
+        parents: list[bytes] = []
+        block_ids: list[int] = []
+        owners: list[str] = []
+        for spec in specs:
+            mine = unpack(spec.hashes[self.rank])
+            hashes += mine
+            parents += unpack(spec.parents[self.rank])
+            block_ids += spec.block_ids
+            owners += [spec.req_id] * len(mine)
+        slots = self.client.reserve(hashes, parents)
+        picked = [i for i, slot in enumerate(slots) if slot >= 0]
+        deduped = sum(1 for slot in slots if slot == ALREADY_STORED)
+        self.stats.add("deduplicated_blocks", deduped)
+        self.stats.add("store_failed_blocks", len(slots) - deduped - len(picked))
+        if not picked:
+            return
+        mine_slots = [slots[i] for i in picked]
+        readers = Counter(owners[i] for i in picked)
+        self._storing.update(readers)
+
+        def done() -> None:
+            self._finisher.submit(self._commit, mine_slots)
+            for req_id, n in readers.items():
+                self._storing[req_id] -= n
+                if not self._storing[req_id]:
+                    del self._storing[req_id]
+
+        transfer = self.engine.store([block_ids[i] for i in picked], mine_slots, callback=done)
+        if not transfer.done():
+            self._stores_in_flight.append(transfer)
+
+    def _commit(self, slots: list[int]) -> None:
+        """Runs on the committer thread; the engine thread counts the outcome."""
+        self._commits.append((len(slots), self.client.commit(slots)))
