@@ -50,6 +50,8 @@ class DaemonClient:
     ``name``). ``token`` (default ``$KVTIER_TOKEN``) is sent with every call, which a TCP
     listener requires. ``timeout_s`` bounds every call but ``Commit``, which waits up to
     ``commit_timeout_s`` for the daemon's disk tier to make the blocks durable.
+    ``map_arena=False`` skips mapping the shared arena, for a client that only looks up (a
+    scheduler process): ``slab`` then stays empty.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class DaemonClient:
         client_name: str | None = None,
         timeout_s: float = 2.0,
         commit_timeout_s: float = 10.0,
+        map_arena: bool = True,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -76,6 +79,7 @@ class DaemonClient:
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.timeout_s = timeout_s
         self.commit_timeout_s = commit_timeout_s
+        self.map_arena = map_arena
         self.counters = TierCounters("host")
         self.failures = 0
         self.sessions_opened = 0
@@ -384,7 +388,7 @@ class DaemonClient:
 
     def _hold(self, opened: pb.OpenResponse) -> None:
         """Publishes the session and blocks on its keep-alive stream until it breaks."""
-        if opened.daemon_id != self._daemon_id:
+        if self.map_arena and opened.daemon_id != self._daemon_id:
             # No slot is in use here (the loop waited for that), so re-mapping is safe.
             try:
                 self._arena.map(opened.arena_path, opened.arena_bytes, opened.num_slots)

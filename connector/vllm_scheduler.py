@@ -71,6 +71,7 @@ class SchedulerSide:
             client_name="vllm-scheduler",
             timeout_s=config.timeout_s,
             commit_timeout_s=config.commit_timeout_s,
+            map_arena=False,
         )
         if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
             log.warning(

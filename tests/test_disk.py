@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import mmap
+import os
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -17,7 +21,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers import disk_slots
+from kvtier.tiers.disk import DATA_FILE, DiskTier
+from kvtier.tiers.disk_index import parse
 
 BLOCK = 16 * 1024 + 8  # not a multiple of the page size on purpose
 SIG = xxhash.xxh3_128_digest(b"layout-a")
@@ -125,20 +131,36 @@ def test_reopen_with_smaller_budget_evicts_oldest(tmp_path):
         assert t.counters.used_blocks == 3 and t.counters.blocks_evicted == 3
 
 
+def flip_everywhere(path: Path, needle: bytes, offset: int) -> None:
+    """Flips one bit at ``offset`` from every copy of ``needle`` in the file, as bit rot would."""
+    raw = bytearray(path.read_bytes())
+    at = raw.find(needle)
+    assert at >= 0, f"{needle.hex()} is not in {path.name}"
+    while at >= 0:
+        raw[at + offset] ^= 0x20
+        at = raw.find(needle, at + 1)
+    path.write_bytes(raw)
+
+
 @pytest.mark.parametrize(
-    "offset", [-40, -36, -32, 500, BLOCK - 1], ids=["magic", "version", "layout", "mid", "last"]
+    "where",
+    ["payload-first", "payload-mid", "payload-last", "entry-length", "entry-checksum"],
 )
-def test_corrupt_value_is_a_miss_counted_and_dropped(tmp_path, offset):
+def test_corrupt_block_is_a_miss_counted_and_dropped(tmp_path, where):
     with tier(tmp_path) as t:
         t.put(key(0), block(0))
         t.put(key(1), block(1))
-    # Flip one byte in the file itself, as bit rot would: LMDB sees nothing wrong.
-    data_file = tmp_path / "data.mdb"
-    raw = bytearray(data_file.read_bytes())
-    payload_at = raw.find(bytes(block(0)[:64]))
-    assert payload_at > 0 and raw.find(bytes(block(0)[:64]), payload_at + 1) == -1
-    raw[payload_at + offset] ^= 0x20  # negative offsets land in the 40-byte header
-    data_file.write_bytes(raw)
+    if where.startswith("payload"):
+        # the payload sits once in the data file; LMDB sees nothing wrong
+        head = bytes(block(0)[:64])
+        raw = (tmp_path / DATA_FILE).read_bytes()
+        assert raw.count(head) == 1
+        offset = {"payload-first": 0, "payload-mid": 500, "payload-last": BLOCK - 1}[where]
+        flip_everywhere(tmp_path / DATA_FILE, head, offset)
+    else:
+        # the entry ends with the payload length and checksum, both big-endian
+        checksum = xxhash.xxh3_64_digest(block(0))
+        flip_everywhere(tmp_path / "data.mdb", checksum, -1 if where == "entry-length" else 3)
 
     events = []
     with tier(tmp_path, on_event=lambda kind, h: events.append((kind, h))) as t:
@@ -202,7 +224,7 @@ sys.stdin.read()
 
 
 def test_full_map_gives_up_blocks_instead_of_raising(tmp_path, caplog):
-    with tier(tmp_path, capacity_blocks=1000, map_size=4 << 20) as t:
+    with tier(tmp_path, capacity_blocks=1000, map_size=512 << 10) as t:
         capacity = t.counters.capacity_blocks
         assert 1 <= capacity < 1000  # the small map lowered the budget
         t.put(key(0), block(0))
@@ -293,7 +315,9 @@ def test_second_open_in_one_process_is_refused(tmp_path):
 _CHILD = """
 import os, signal, sys
 import numpy as np, xxhash
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers import disk_slots
+from kvtier.tiers.disk import DATA_FILE, DiskTier
+from kvtier.tiers.disk_index import parse
 sig, size, count = bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t = DiskTier(sys.argv[1], sig, size, 64 * size)
 for i in range(count):
@@ -347,7 +371,7 @@ def test_writer_outlives_failures(tmp_path, monkeypatch, caplog):
         assert t.counters.used_blocks == 1
         assert "on_event" in caplog.text
 
-        def failing_apply(self, txn, ops):
+        def failing_apply(self, txn, ops, taken):
             raise OSError("disk on fire")
 
         monkeypatch.setattr(DiskTier, "_apply", failing_apply)
@@ -359,6 +383,27 @@ def test_writer_outlives_failures(tmp_path, monkeypatch, caplog):
         t.put(key(1), block(1))
         t.flush()
         assert np.array_equal(read(t, 1), block(1))
+
+
+def test_failed_data_write_stores_nothing_and_leaks_no_slot(tmp_path, monkeypatch):
+    def failing_write(self, writes):
+        raise OSError(5, "I/O error")
+
+    with tier(tmp_path, capacity_blocks=4) as t:  # 4 slots and one spare: a leak would show
+        t.put(key(0), block(0))
+        t.flush()
+        for attempt in range(3):
+            monkeypatch.setattr(disk_slots.SlotFile, "write", failing_write)
+            t.put(key(1 + attempt), block(1 + attempt))
+            with pytest.raises(RuntimeError, match="writer failed"):
+                t.flush()
+            monkeypatch.undo()
+            assert not t.contains(key(1 + attempt)) and t.counters.used_blocks == 1
+        for i in range(10, 30):
+            t.put(key(i), block(i))
+            t.flush()
+        assert [read(t, i) is not None for i in range(26, 30)] == [True] * 4
+        assert t.counters.used_blocks == 4 and t.counters.checksum_failures == 0
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -409,3 +454,185 @@ def test_matches_an_lru_model(capacity, ops):
             assert len(t) == len(model)
         finally:
             t.close()
+
+
+def direct_io_works(path: Path) -> bool:
+    try:
+        os.close(os.open(path / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        return False
+    return True
+
+
+def test_data_file_uses_o_direct_where_the_filesystem_allows(tmp_path):
+    if not direct_io_works(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    with tier(tmp_path) as t:
+        assert t._slots.direct
+        assert fcntl.fcntl(t._slots._fd, fcntl.F_GETFL) & os.O_DIRECT
+        t.put(key(0), block(0))
+        t.flush()
+        assert np.array_equal(read(t, 0), block(0))
+    stride = -(-BLOCK // 4096) * 4096
+    assert (tmp_path / DATA_FILE).stat().st_size == (64 + 8) * stride  # budget + spare batch
+    assert os.path.getsize(tmp_path / "data.mdb") < 1 << 20  # no payload in LMDB
+
+
+def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(disk_slots, "_O_DIRECT", 0)
+    with tier(tmp_path) as t:
+        assert not t._slots.direct
+        for i in range(3):
+            t.put(key(i), block(i))
+    assert "no O_DIRECT" in caplog.text
+    with tier(tmp_path) as t:
+        for i in range(3):
+            assert np.array_equal(read(t, i), block(i))
+
+
+@pytest.mark.parametrize("size", [4 * 4096, 4 * 4096 + 8, 100])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+def test_reads_into_aligned_and_unaligned_buffers(tmp_path, size, aligned):
+    area = mmap.mmap(-1, 2 * size + 4096)  # page-aligned
+    out = memoryview(area)[0 if aligned else 64 :][:size]
+    with DiskTier(tmp_path, SIG, size, 8 * size, sync=False) as t:
+        t.put(key(0), block(0, size))
+        t.flush()
+        assert t.get_into(key(0), out)
+        assert bytes(out) == bytes(block(0, size))
+    out.release()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_slot_reuse_under_concurrent_readers(tmp_path, monkeypatch, direct):
+    """Blocks are evicted and their slots reused while readers read: a read returns the exact
+    bytes or misses, and no good block is ever taken for a corrupt one."""
+    if not direct:
+        monkeypatch.setattr(disk_slots, "_O_DIRECT", 0)
+    read_into = disk_slots.SlotFile.read_into
+
+    def slow_read_into(self, slot, dst):
+        time.sleep(0.0005)  # widens the window between the lookup and the read
+        read_into(self, slot, dst)
+
+    monkeypatch.setattr(disk_slots.SlotFile, "read_into", slow_read_into)
+    count, capacity = 160, 3
+    errors: list[BaseException] = []
+    hits = [0]
+    done = threading.Event()
+    expected = [block(i) for i in range(count)]
+    newest = [0]
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        out = np.empty(BLOCK, np.uint8)
+        try:
+            while not done.is_set():
+                i = max(0, newest[0] - int(rng.integers(6)))  # recent: often just evicted
+                if t.get_into(key(i), out):
+                    assert np.array_equal(out, expected[i]), f"block {i} came back wrong"
+                    hits[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    with tier(tmp_path, capacity_blocks=capacity) as t:
+        readers = [threading.Thread(target=reader, args=(s,)) for s in range(4)]
+        for r in readers:
+            r.start()
+        for i in range(count):
+            t.put(key(i), expected[i])
+            t.flush()
+            newest[0] = i
+        done.set()
+        for r in readers:
+            r.join()
+        assert not errors, errors
+        assert hits[0] > 0 and t.counters.checksum_failures == 0
+        assert t.counters.blocks_evicted == count - capacity
+        assert sorted(t._table._free) == sorted(set(range(capacity + 1)) - used_slots(t))
+
+
+def used_slots(t: DiskTier) -> set[int]:
+    with t._index.read() as txn:
+        return {parse(bytes(v)).slot for _, v in txn.cursor()}
+
+
+_CRASH_CHILD = """
+import os, sys
+import numpy as np, xxhash
+from kvtier.tiers.disk import DiskTier
+sig, size = bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+t = DiskTier(sys.argv[1], sig, size, 16 * size)
+for i in range(1_000_000):
+    data = np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+    t.put(xxhash.xxh3_128_digest(i.to_bytes(8, "little")), data)
+    if i % 5 == 4:
+        t.flush()
+        print(i, flush=True)
+"""
+
+
+def test_sigkill_mid_batch_leaves_only_exact_blocks(tmp_path):
+    """Killed while it writes and evicts: every block found after reopening is bit-exact."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CRASH_CHILD, str(tmp_path), SIG.hex(), str(BLOCK)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(40):  # well past the budget, so slots are being reused
+            flushed = int(child.stdout.readline())
+    finally:
+        child.kill()
+        child.wait(30)
+    assert flushed >= 16 * 2
+    with tier(tmp_path, capacity_blocks=16) as t:
+        found = [i for i in range(flushed + 50) if t.contains(key(i))]
+        assert set(range(flushed - 15, flushed + 1)) <= set(found)  # the flushed survivors
+        for i in found:
+            assert np.array_equal(read(t, i), block(i)), f"block {i} came back wrong"
+        assert t.counters.checksum_failures == 0
+
+
+def test_budget_change_on_reopen_grows_or_shrinks_the_data_file(tmp_path):
+    stride = -(-BLOCK // 4096) * 4096
+    data_file = tmp_path / DATA_FILE
+    with tier(tmp_path, capacity_blocks=8) as t:
+        for i in range(8):
+            t.put(key(i), block(i))
+            t.flush()
+        assert read(t, 0) is not None  # order, oldest first: 1..7, 0
+    assert data_file.stat().st_size == (8 + 1) * stride
+    with tier(tmp_path, capacity_blocks=16) as t:  # grows: everything stays
+        assert data_file.stat().st_size == (16 + 2) * stride
+        assert len(t) == 8 and t.counters.capacity_blocks == 16
+        for i in range(8, 16):
+            t.put(key(i), block(i))
+        t.flush()
+        assert t.counters.blocks_evicted == 0 and len(t) == 16
+        for i in range(16):
+            assert read(t, i) is not None  # order now 0..15
+    with tier(tmp_path, capacity_blocks=3) as t:  # shrinks: the 3 newest move below the end
+        assert data_file.stat().st_size == (3 + 1) * stride
+        assert [i for i in range(16) if t.contains(key(i))] == [13, 14, 15]
+        assert t.counters.blocks_evicted == 13 and t.counters.checksum_failures == 0
+        for i in (13, 14, 15):
+            assert np.array_equal(read(t, i), block(i))
+        t.put(key(20), block(20))  # evicts 13, the oldest
+        t.flush()
+        assert [i for i in (13, 14, 15, 20) if t.contains(key(i))] == [14, 15, 20]
+    with tier(tmp_path, capacity_blocks=3) as t:
+        for i in (14, 15, 20):
+            assert np.array_equal(read(t, i), block(i))
+
+
+def test_lost_data_file_drops_its_entries(tmp_path):
+    with tier(tmp_path) as t:
+        t.put(key(0), block(0))
+    (tmp_path / DATA_FILE).unlink()
+    with tier(tmp_path) as t:
+        assert len(t) == 0 and read(t, 0) is None
+        assert t.counters.checksum_failures == 0
+        t.put(key(0), block(0))
+        t.flush()
+        assert np.array_equal(read(t, 0), block(0))

@@ -144,6 +144,10 @@ class Model:
             if self.ref[b] == 0:
                 self.free.append(b)
 
+    def held(self) -> set[bytes]:
+        """Every hash some tier holds."""
+        return set(self.cached) | set(self.host) | self.busy | self.disk
+
     def tier_of(self, h: bytes) -> str:
         if h in self.cached:
             return "gpu"
@@ -230,7 +234,9 @@ class TierMachine(RuleBasedStateMachine):
     def reopen(self):
         self.stack.close()
         self.stack = self._open()
-        self.model = Model(set(self.seen), self.host_slots)
+        # A graceful close pushes every GPU and host block to the disk; dropped ones stay lost.
+        kept = self.seen if self.spill_ahead else self.model.held()
+        self.model = Model(set(kept), self.host_slots)
         self.host_stores.clear()
 
     @invariant()

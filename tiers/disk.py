@@ -1,18 +1,23 @@
-"""The disk tier: blocks in an LMDB environment on local NVMe, under a byte budget with LRU.
+"""The disk tier: blocks in one data file on local NVMe, indexed by LMDB, under a byte budget with
+LRU.
 
-Three named databases live in one environment and change together in the same transactions:
-``blocks`` maps a 16-byte block hash to a header (magic, format version, layout signature,
-payload length, xxh3_64 of the payload) followed by the block's bytes; ``index`` maps the hash
-to its access sequence number and layout signature; ``order`` maps the big-endian sequence
-number back to the hash, so its first key is the least recently used block. Reopening a
-directory therefore recovers every committed block and its recency.
+Block bytes live in ``blocks.dat``, a preallocated file of fixed slots written and read with
+``O_DIRECT``, around the page cache (``disk_slots``). LMDB holds only small entries: per block
+its slot, layout signature, length and xxh3_64 checksum, and the access order (``disk_index``).
+The free slots are the ones no entry names, worked out at open. Reopening a directory recovers
+every committed block and its recency; one made with another budget is grown or evicted down.
 
-One writer thread owns every write transaction: ``put`` copies the block, parks it in a pending
-map (readable at once) and queues it; the writer drains its queue greedily into one transaction,
-evicting the least recently used blocks first when the budget is spent. Readers use short
-``buffers=True`` transactions, copy the bytes out before they end and queue their access-order
-bumps to the writer. A value whose header or checksum does not match is a miss, counted and
-dropped, never data.
+One writer thread owns every write: ``put`` copies the block into a page-aligned buffer, parks
+it in a pending map (readable at once) and queues it; the writer drains its queue into one
+batch, writes the batch's payloads into free slots, ``fdatasync``s the data file and only then
+commits the entries that point at them, so an entry never names bytes that are not on the
+device. Evictions ride in the same commit and an evicted block's slot is reused only by a
+later batch, so the file holds one batch of spare slots beyond the budget.
+
+Readers look the entry up and pin its slot in one critical section, then read the slot
+straight into the caller's buffer; a slot freed meanwhile is not reused until they unpin it
+(``SlotTable``). Every read is checked against the entry's checksum: a mismatch is a miss,
+counted and dropped, never data.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,27 +33,25 @@ import lmdb
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.disk_index import FORMAT_VERSION, BlockIndex, Entry
+from kvtier.tiers.disk_slots import BufferPool, SlotFile, SlotTable, slot_stride
 from kvtier.tiers.hashing import HASH_BYTES
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-_MAGIC = b"KVTB"
-# magic, format version, header size, layout signature, payload length, xxh3_64 of the payload
-_HEADER = struct.Struct("<4sHH16sQQ")
-# index value: access sequence number, layout signature
-_INDEX = struct.Struct(">Q16s")
-# order key: big-endian, so LMDB's byte order is access order
-_SEQ = struct.Struct(">Q")
+DATA_FILE = "blocks.dat"
 _SIGNATURE_BYTES = 16
-# A key of the main database, written only to make a commit (see DiskTier._commit).
-_MARKER = b"kvtier-marker"
-# One write transaction takes at most this many bytes of new blocks (and no more blocks than
-# the budget), which bounds the map room a batch needs while its evicted pages wait for reuse.
-_MAX_BATCH_BYTES = 256 << 20
-_PAGE = 4096
-# Map bytes beyond the blocks, for meta, B-tree and free-list pages.
-_MAP_SLACK = 1 << 20
+# A batch takes at most this many bytes of new blocks (and at most an eighth of the budget):
+# enough to amortise its fdatasync and commit; it is also the number of spare slots.
+_MAX_BATCH_BYTES = 64 << 20
+# How many batches of returned put buffers the pool keeps warm.
+_POOL_BATCHES = 2
+# Map bytes per slot for its index and order entries, B-tree pages and free lists, with room
+# to spare, plus a slack for meta pages; the default map is never below _MAP_FLOOR. The map is
+# address space only: the file grows as used.
+_INDEX_BYTES = 2048
+_MAP_SLACK = 256 << 10
+_MAP_FLOOR = 64 << 20
 
 # Writer queue operations; the ones below _FLUSH change the database.
 _PUT, _TOUCH, _DROP, _FLUSH, _STOP = range(5)
@@ -72,15 +74,28 @@ class _Flush:
         self.done.set()
 
 
-class DiskTier:
-    """Blocks of ``block_bytes`` bytes in the LMDB environment at ``path``, LRU within a budget.
+class _Pending:
+    """A put not yet committed: its aligned buffer, checksum and the readers copying from it."""
 
-    ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the memory map is sized
-    from it, twice over (``_plan_map``). ``on_event(kind, hash)`` is called from the writer
-    thread, outside any lock, with ``"stored"`` after a block is committed and ``"removed"``
-    after one is evicted or dropped (blocks found or dropped at start-up are not announced).
-    ``sync=False`` skips the fsync at each commit: committed blocks then survive a crash of the
-    process, not one of the machine. A ``map_size`` too small for the budget lowers the budget.
+    __slots__ = ("buf", "checksum", "readers", "retired")
+
+    def __init__(self, buf: Any, checksum: int) -> None:
+        self.buf = buf
+        self.checksum = checksum
+        self.readers = 0
+        self.retired = False  # committed or given up; the buffer goes back once unread
+
+
+class DiskTier:
+    """Blocks of ``block_bytes`` bytes in the directory ``path``, LRU within a budget.
+
+    ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the data file is sized to
+    it (plus one batch of spare slots) at open. ``on_event(kind, hash)`` is called from the
+    writer thread, outside any lock, with ``"stored"`` after a block is committed and
+    ``"removed"`` after one is evicted or dropped (blocks found or dropped at start-up are not
+    announced). ``sync=False`` skips the fdatasync and fsyncs at each commit: committed blocks
+    then survive a crash of the process, not one of the machine. A ``map_size`` too small for
+    the budget's index lowers the budget.
     """
 
     def __init__(
@@ -99,21 +114,23 @@ class DiskTier:
             raise ValueError(f"layout signature must be {_SIGNATURE_BYTES} bytes")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        self._capacity_blocks, self._batch_blocks, map_size = _plan_map(
+        self._capacity_blocks, self._batch_blocks, map_size = _plan(
             block_bytes, capacity_bytes, map_size
         )
+        self._total_slots = self._capacity_blocks + self._batch_blocks
         self.block_bytes = block_bytes
         self.counters = counters if counters is not None else TierCounters(tier="disk")
         self._signature = bytes(layout_signature)
-        # every header field but the checksum, as ``_HEADER.unpack`` returns them
-        self._header_fields = (_MAGIC, FORMAT_VERSION, _HEADER.size, self._signature, block_bytes)
         self._on_event = on_event
         self._sync = sync
         self._lock = threading.Lock()
-        self._pending: dict[bytes, bytearray] = {}
+        self._pending: dict[bytes, _Pending] = {}
         self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._closed = False
         self._writer_alive = True
+        self._failure: BaseException | None = None  # the writer's, not yet told to a flush
+        stride = slot_stride(block_bytes)
+        self._pool = BufferPool(stride, min(self._total_slots, _POOL_BATCHES * self._batch_blocks))
 
         self._path = os.path.realpath(path)
         with _open_paths_lock:
@@ -123,24 +140,18 @@ class DiskTier:
                     "close it before opening it again"
                 )
             _open_paths.add(self._path)
+        self._index: BlockIndex | None = None
+        self._slots: SlotFile | None = None
         try:
-            # No writemap: writing through the map would read every reused page from disk
-            # before overwriting it (the tier is larger than RAM, so they are rarely cached)
-            # and would turn a full disk into SIGBUS instead of an error.
-            self._env = lmdb.open(
-                self._path,
-                map_size=map_size,
-                max_dbs=3,
-                max_readers=512,
-                sync=sync,
-                metasync=sync,
-            )
-            self._env.reader_check()
-            self._blocks = self._env.open_db(b"blocks")
-            self._index = self._env.open_db(b"index")
-            self._order = self._env.open_db(b"order")
-            self._recover()
+            os.makedirs(self._path, exist_ok=True)
+            self._index = BlockIndex(self._path, map_size=map_size, sync=sync)
+            self._slots = SlotFile(os.path.join(self._path, DATA_FILE), stride, self._pool)
+            self._table = SlotTable(self._lock, self._recover())
         except BaseException:
+            if self._slots is not None:
+                self._slots.close()
+            if self._index is not None:
+                self._index.close()
             with _open_paths_lock:
                 _open_paths.discard(self._path)
             raise
@@ -169,16 +180,16 @@ class DiskTier:
         # so a block leaving the pending map is already visible to a transaction begun later.
         with self._lock:
             pending = [h in self._pending for h in hashes]
-        with self._env.begin(db=self._index, buffers=True) as txn:
+        with self._index.read() as txn:
             for n, (h, is_pending) in enumerate(zip(hashes, pending, strict=True)):
-                if not is_pending and txn.get(h) is None:
+                if not is_pending and not self._index.has(txn, h):
                     return n
         return len(hashes)
 
     def get_into(self, block_hash: bytes, out: Any) -> bool:
         """Copies the block into ``out`` (a writable buffer of ``block_bytes``); False on a miss.
 
-        A stored value whose header or checksum does not match is a miss: it is counted in
+        A stored block whose entry or checksum does not match is a miss: it is counted in
         ``checksum_failures`` and dropped, and ``out`` then holds no meaningful bytes.
         """
         _check_hash(block_hash)
@@ -186,28 +197,41 @@ class DiskTier:
         if dst.readonly or dst.nbytes != self.block_bytes:
             raise ValueError(f"out must be a writable buffer of {self.block_bytes} bytes")
         with self._lock:
-            value = self._pending.get(block_hash)
-        if value is not None:
-            # Pending values are never mutated, so the copy needs no lock.
-            dst[:] = memoryview(value)[_HEADER.size :]
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                pending.readers += 1
+            else:
+                # Looked up and pinned in the critical section that frees slots (SlotTable).
+                with self._index.read() as txn:
+                    entry = self._index.get(txn, block_hash)
+                if entry is None:
+                    return False
+                slot = entry.slot
+                self._table.pin_locked(slot)
+        if pending is not None:
+            try:
+                dst[:] = memoryview(pending.buf)[: self.block_bytes]
+            finally:
+                self._unpin_pending(pending)
             self._count_load()
             return True
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
-            stored = txn.get(block_hash)
-            if stored is None:
-                return False
-            header = self._header(stored)
-            if header is not None:
-                dst[:] = stored[_HEADER.size :]
-        # The checksum runs on our own copy, after the transaction has let go of the map.
-        if header is not None and xxhash.xxh3_64_intdigest(dst) == header[5]:
+        valid = self._valid(entry)
+        try:
+            if valid:
+                self._slots.read_into(slot, dst)
+        except OSError as exc:  # the device failed this read: a miss, and the entry stays
+            log.warning("disk tier %s: reading slot %d failed: %s", self._path, slot, exc)
+            return False
+        finally:
+            self._table.unpin(slot)
+        if valid and xxhash.xxh3_64_intdigest(dst) == entry.checksum:
             self._count_load()
             self._enqueue(_TOUCH, block_hash)
             return True
         log.warning("disk tier %s: corrupt block %s dropped", self._path, block_hash.hex())
         with self._lock:
             self.counters.checksum_failures += 1
-        self._enqueue(_DROP, block_hash)
+        self._enqueue(_DROP, (block_hash, slot))
         return False
 
     # ---- writers (any thread) ----
@@ -226,20 +250,24 @@ class DiskTier:
             self._check_open()
         if self.contains(block_hash):
             return
-        # Our one copy of the payload goes straight behind the header, so that LMDB gets the
-        # whole value as one buffer in one put.
-        value = bytearray(_HEADER.size + self.block_bytes)
-        payload = memoryview(value)[_HEADER.size :]
-        payload[:] = src
-        _HEADER.pack_into(value, 0, *self._header_fields, xxhash.xxh3_64_intdigest(payload))
+        # Our one copy of the payload, into a page-aligned buffer that the writer hands to
+        # O_DIRECT as it is.
+        buf = self._pool.acquire()
+        with memoryview(buf) as view:
+            payload = view[: self.block_bytes]
+            payload[:] = src
+            pending = _Pending(buf, xxhash.xxh3_64_intdigest(payload))
+            payload.release()
         with self._lock:
             self._check_open()
             if block_hash not in self._pending:
-                self._pending[block_hash] = value
+                self._pending[block_hash] = pending
                 self._queue.put((_PUT, block_hash))
+                return
+        self._pool.release(buf)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Blocks until everything queued before this call is committed to LMDB.
+        """Blocks until everything queued before this call is committed.
 
         Raises ``TimeoutError`` after ``timeout`` seconds, and ``RuntimeError`` if the writer
         failed to commit that work or is no longer running.
@@ -254,7 +282,7 @@ class DiskTier:
             raise RuntimeError(f"disk tier {self._path}: writer failed") from marker.error
 
     def close(self) -> None:
-        """Commits everything queued, stops the writer and closes the environment (idempotent)."""
+        """Commits everything queued, stops the writer and closes the files (idempotent)."""
         with self._lock:
             if self._closed:
                 return
@@ -263,8 +291,11 @@ class DiskTier:
                 self._queue.put((_STOP, None))
         self._writer.join()
         if not self._sync:
-            self._env.sync(True)
-        self._env.close()
+            self._slots.sync()
+            self._index.sync()
+        self._slots.close()
+        self._index.close()
+        self._pool.clear()
         with _open_paths_lock:
             _open_paths.discard(self._path)
 
@@ -283,51 +314,90 @@ class DiskTier:
         if not self._writer_alive:
             raise RuntimeError(f"disk tier {self._path}: writer thread is not running")
 
-    def _enqueue(self, op: int, block_hash: bytes) -> None:
+    def _enqueue(self, op: int, arg: Any) -> None:
         with self._lock:
             if not self._closed and self._writer_alive:
-                self._queue.put((op, block_hash))
+                self._queue.put((op, arg))
 
     def _count_load(self) -> None:
         with self._lock:
             self.counters.blocks_loaded += 1
             self.counters.bytes_out += self.block_bytes
 
-    def _header(self, value: memoryview) -> tuple[Any, ...] | None:
-        """The value's header fields if they match this tier's, else None."""
-        if len(value) != _HEADER.size + self.block_bytes:
-            return None
-        header = _HEADER.unpack_from(value)
-        return header if header[:5] == self._header_fields else None
+    def _valid(self, entry: Entry) -> bool:
+        """Whether an entry can name one of this tier's blocks."""
+        return (
+            entry.signature == self._signature
+            and entry.length == self.block_bytes
+            and 0 <= entry.slot < self._total_slots
+        )
+
+    def _unpin_pending(self, pending: _Pending) -> None:
+        with self._lock:
+            pending.readers -= 1
+            if pending.retired and not pending.readers:
+                self._pool.release(pending.buf)
 
     # ---- start-up ----
 
-    def _recover(self) -> None:
-        """Counts committed blocks, drops other layouts' blocks and evicts down to the budget."""
-        with self._env.begin(write=True) as txn:
-            foreign = []
-            used = 0
-            for block_hash, entry in txn.cursor(db=self._index):
-                seq, signature = _INDEX.unpack(entry)
-                if signature == self._signature:
-                    used += 1
-                else:
-                    foreign.append((block_hash, seq))
-            for block_hash, seq in foreign:
-                self._delete(txn, block_hash, seq)
-            evicted = len(self._evict(txn, used - self._capacity_blocks))
-            cursor = txn.cursor(db=self._order)
-            self._next_seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
-        if foreign:
-            log.warning(
-                "disk tier %s: dropped %d blocks stored for another layout",
-                self._path,
-                len(foreign),
+    def _recover(self) -> list[int]:
+        """Keeps the entries this tier can use, evicts down to the budget and fits the data
+        file to it, first moving blocks past its new end into free slots below. Returns the
+        free slots."""
+        file_slots = 0 if self._slots.created else self._slots.slots
+        with self._index.write() as txn:
+            # A wrong length is left to the first read, which counts it as corrupt.
+            entries, dropped = self._index.load(
+                txn, lambda e: e.signature == self._signature and 0 <= e.slot < file_slots
             )
+            evicted = self._index.evict(txn, len(entries) - self._capacity_blocks)
+            for block_hash, _ in evicted:
+                del entries[block_hash]
+            moved, lost = self._move_below(txn, entries)
+        self._slots.resize(self._total_slots)
+        if dropped:
+            log.warning(
+                "disk tier %s: dropped %d blocks stored for another layout or format",
+                self._path,
+                dropped,
+            )
+        if moved:
+            log.info("disk tier %s: moved %d blocks into the smaller file", self._path, moved)
         c = self.counters
-        c.blocks_evicted += len(foreign) + evicted
-        c.used_blocks = used - evicted
+        c.blocks_evicted += dropped + len(evicted)
+        c.checksum_failures += lost
+        c.used_blocks = len(entries)
         c.used_bytes = c.used_blocks * self.block_bytes
+        return sorted(set(range(self._total_slots)) - {e.slot for e in entries.values()})
+
+    def _move_below(self, txn: lmdb.Transaction, entries: dict[bytes, Entry]) -> tuple[int, int]:
+        """Moves blocks from slots past the budget's into free ones (a budget made smaller);
+        updates ``entries``. Returns (blocks moved, blocks dropped for a bad checksum)."""
+        outside = [(h, e) for h, e in entries.items() if e.slot >= self._total_slots]
+        if not outside:
+            return 0, 0
+        used = {e.slot for e in entries.values()}
+        free = iter(sorted(set(range(self._total_slots)) - used))
+        buf = self._pool.acquire()
+        lost = 0
+        with memoryview(buf) as view:
+            payload = view[: self.block_bytes]
+            for block_hash, entry in outside:
+                self._slots.read_into(entry.slot, payload)
+                if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
+                    self._index.delete(txn, block_hash, entry)
+                    del entries[block_hash]
+                    lost += 1
+                    continue
+                slot = next(free)  # the budget's slots hold every survivor
+                self._slots.write([(slot, view)])
+                entries[block_hash] = entry._replace(slot=slot)
+            payload.release()
+        self._slots.sync()  # the bytes are in their new slots before the index says so
+        for block_hash, _ in outside:
+            if block_hash in entries:
+                self._index.replace(txn, block_hash, entries[block_hash])
+        return len(outside) - lost, lost
 
     # ---- the writer thread ----
 
@@ -354,7 +424,7 @@ class DiskTier:
                     arg.finish(RuntimeError("disk tier writer stopped"))
 
     def _next_batch(self) -> list[tuple[int, Any]]:
-        """Blocks for one operation, then takes whatever else is queued, up to a byte bound."""
+        """Blocks for one operation, then takes whatever else is queued, up to a batch of puts."""
         batch = [self._queue.get()]
         puts = batch[0][0] == _PUT
         while puts < self._batch_blocks:
@@ -367,93 +437,121 @@ class DiskTier:
         return batch
 
     def _process(self, batch: list[tuple[int, Any]]) -> None:
-        """Commits one batch, tells ``on_event``, then releases the batch's flush markers."""
-        error: BaseException | None = None
+        """Commits one batch, tells ``on_event``, then releases the batch's flush markers
+        (with the error of this batch or of any since the last flush)."""
         events: list[tuple[str, bytes]] = []
         try:
             events = self._commit([item for item in batch if item[0] < _FLUSH])
         except Exception as exc:  # one failed batch (an I/O error) must not stop the writer
             log.exception("disk tier %s: write of %d operations failed", self._path, len(batch))
-            error = exc
-            with self._lock:
-                for op, block_hash in batch:
-                    if op == _PUT:
-                        self._pending.pop(block_hash, None)
+            self._failure = exc
+            self._forget(batch)
         if self._on_event is not None:
             for kind, block_hash in events:
                 try:
                     self._on_event(kind, block_hash)
                 except Exception:  # a subscriber's bug must not stop the disk tier
                     log.exception("disk tier %s: on_event(%r) failed", self._path, kind)
+        error, flushed = self._failure, False
         for op, marker in batch:
             if op == _FLUSH:
                 marker.finish(error)
+                flushed = True
+        if flushed:
+            self._failure = None
 
     def _commit(self, ops: list[tuple[int, Any]]) -> list[tuple[str, bytes]]:
         """Writes ``ops`` in one transaction and returns the events to report.
 
-        A full map (a reader pinning an old snapshot keeps freed pages from reuse) is answered
-        by evicting the oldest blocks in a commit of their own and trying again. LMDB reuses
-        the pages a commit frees only once another commit has followed it, so with nothing left
-        to evict one marker commit goes first. If even that finds no room, the batch is given
-        up with an error in the log (its blocks are not stored), never raised to a caller.
+        The batch's payloads go into their slots, and are made durable, inside the transaction
+        and before it commits. A full map (a reader pinning an old snapshot keeps freed pages
+        from reuse) is answered by evicting the oldest blocks in a commit of their own and
+        trying again. LMDB reuses the pages a commit frees only once another commit has
+        followed it, so with nothing left to evict one marker commit goes first. If even that
+        finds no room, the batch is given up with an error in the log (its blocks are not
+        stored), never raised to a caller.
         """
         events: list[tuple[str, bytes]] = []
         marked = False
         while True:
+            taken: list[int] = []
             try:
-                with self._env.begin(write=True) as txn:
-                    changes = self._apply(txn, ops)
-                return events + self._publish(changes, ops)
+                with self._index.write() as txn:
+                    changes, writes, freed = self._apply(txn, ops, taken)
+                    if writes:
+                        self._slots.write(writes)
+                        if self._sync:
+                            self._slots.sync()
+                    del writes  # no view of a pending buffer outlives the batch
             except lmdb.MapFullError:
+                self._table.free(taken)
                 puts = sum(op == _PUT for op, _ in ops)
+            except BaseException:
+                self._table.free(taken)
+                raise
+            else:
+                # Only now, with their deletions committed, may a later batch reuse these.
+                self._table.free(freed)
+                return events + self._publish(changes, ops)
             try:
-                with self._env.begin(write=True) as txn:
-                    evicted = self._evict(txn, max(puts, 1))
+                with self._index.write() as txn:
+                    evicted = self._index.evict(txn, max(puts, 1))
                     mark = not evicted and not marked
                     if mark:
-                        txn.put(_MARKER, b"")
+                        self._index.mark(txn)
             except lmdb.MapFullError:
                 evicted, mark = [], False
             if evicted or mark:
                 marked = marked or mark
-                events += self._publish([("evicted", h) for h in evicted], [])
+                self._table.free([slot for _, slot in evicted])
+                events += self._publish([("evicted", h) for h, _ in evicted], [])
                 continue
             log.error("disk tier %s: map full, %d blocks not stored", self._path, puts)
-            with self._lock:
-                for op, block_hash in ops:
-                    if op == _PUT:
-                        self._pending.pop(block_hash, None)
+            self._forget(ops)
             return events
 
-    def _apply(self, txn: lmdb.Transaction, ops: list[tuple[int, Any]]) -> list[tuple[str, bytes]]:
-        """Applies puts, access bumps and drops in order; returns what changed, in order."""
+    def _apply(
+        self, txn: lmdb.Transaction, ops: list[tuple[int, Any]], taken: list[int]
+    ) -> tuple[list[tuple[str, bytes]], list[tuple[int, memoryview]], list[int]]:
+        """Applies puts, access bumps and drops to the index, in order.
+
+        Returns what changed (in order), the payload writes to make before the commit and the
+        slots the commit frees; the slots given to puts go into ``taken`` as they are taken.
+        """
         changes: list[tuple[str, bytes]] = []
+        writes: list[tuple[int, memoryview]] = []
+        freed: list[int] = []
         used = self.counters.used_blocks  # only this thread changes it
-        for op, block_hash in ops:
-            entry = txn.get(block_hash, db=self._index)
+        for op, arg in ops:
+            block_hash = arg[0] if op == _DROP else arg
+            entry = self._index.get(txn, block_hash)
             if op == _PUT:
                 if entry is not None:
                     continue
-                for evicted in self._evict(txn, used + 1 - self._capacity_blocks):
+                for evicted, slot in self._index.evict(txn, used + 1 - self._capacity_blocks):
                     changes.append(("evicted", evicted))
+                    freed.append(slot)
                     used -= 1
+                slot = self._table.take()
+                taken.append(slot)
                 with self._lock:
-                    value = self._pending[block_hash]
-                txn.put(block_hash, value, db=self._blocks)
-                self._insert_order(txn, block_hash)
+                    pending = self._pending[block_hash]
+                writes.append((slot, memoryview(pending.buf)))
+                new = Entry(FORMAT_VERSION, 0, slot, self._signature, self.block_bytes, 0)
+                self._index.insert(txn, block_hash, new._replace(checksum=pending.checksum))
                 changes.append(("stored", block_hash))
                 used += 1
-            elif entry is not None:
-                seq = _INDEX.unpack(entry)[0]
-                if op == _TOUCH:
-                    txn.delete(_SEQ.pack(seq), db=self._order)
-                    self._insert_order(txn, block_hash)
-                else:
-                    self._delete(txn, block_hash, seq)
-                    changes.append(("dropped", block_hash))
-                    used -= 1
-        return changes
+            elif entry is None:
+                continue
+            elif op == _TOUCH:
+                self._index.touch(txn, block_hash, entry)
+            elif entry.slot == arg[1]:  # not a copy stored again since the bad read
+                self._index.delete(txn, block_hash, entry)
+                if entry.slot >= 0:
+                    freed.append(entry.slot)
+                changes.append(("dropped", block_hash))
+                used -= 1
+        return changes, writes, freed
 
     def _publish(
         self, changes: list[tuple[str, bytes]], ops: list[tuple[int, Any]]
@@ -470,59 +568,35 @@ class DiskTier:
                     c.blocks_evicted += kind == "evicted"
                     c.used_blocks -= 1
             c.used_bytes = c.used_blocks * self.block_bytes
-            for op, block_hash in ops:
-                if op == _PUT:
-                    self._pending.pop(block_hash, None)
+        self._forget(ops)
         return [("stored" if kind == "stored" else "removed", h) for kind, h in changes]
 
-    def _insert_order(self, txn: lmdb.Transaction, block_hash: bytes) -> None:
-        """Makes the block the most recently used one."""
-        seq = self._next_seq
-        self._next_seq += 1  # a gap left by an aborted transaction is harmless
-        txn.put(block_hash, _INDEX.pack(seq, self._signature), db=self._index)
-        txn.put(_SEQ.pack(seq), block_hash, db=self._order)
-
-    def _delete(self, txn: lmdb.Transaction, block_hash: bytes, seq: int) -> None:
-        txn.delete(block_hash, db=self._blocks)
-        txn.delete(block_hash, db=self._index)
-        txn.delete(_SEQ.pack(seq), db=self._order)
-
-    def _evict(self, txn: lmdb.Transaction, count: int) -> list[bytes]:
-        """Deletes up to ``count`` least recently used blocks; returns their hashes."""
-        victims: list[tuple[int, bytes]] = []
-        if count > 0:
-            cursor = txn.cursor(db=self._order)
-            for key, block_hash in cursor:
-                victims.append((_SEQ.unpack(key)[0], block_hash))
-                if len(victims) == count:
-                    break
-        for seq, block_hash in victims:
-            self._delete(txn, block_hash, seq)
-        return [block_hash for _, block_hash in victims]
+    def _forget(self, ops: list[tuple[int, Any]]) -> None:
+        """Takes the batch's puts out of the pending map (committed, or lost to an error); a
+        buffer goes back to the pool once nobody is copying from it."""
+        with self._lock:
+            for op, block_hash in ops:
+                if op == _PUT:
+                    pending = self._pending.pop(block_hash, None)
+                    if pending is not None:
+                        pending.retired = True
+                        if not pending.readers:
+                            self._pool.release(pending.buf)
 
 
-def _plan_map(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
-    """Returns (budget in blocks, most blocks per write transaction, map size in bytes).
-
-    The map is address space only (the file grows as used) and holds twice the budget and two
-    batches, because LMDB reuses a freed page only two commits later and runs of free pages
-    fragment; the budget never fills it, so a full map stays rare. A given ``map_size`` keeps
-    those proportions by lowering the budget.
-    """
-    value_bytes = -(-(16 + _HEADER.size + block_bytes) // _PAGE) * _PAGE  # whole pages
-    batch_max = max(1, _MAX_BATCH_BYTES // block_bytes)
+def _plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
+    """Returns (budget in blocks, most puts per batch = spare slots, map size in bytes)."""
     capacity = capacity_bytes // block_bytes
     if map_size is not None:
-        room = (map_size - _MAP_SLACK) // (2 * value_bytes)  # = budget + two batches
-        capacity = min(capacity, max(room // 3, room - 2 * batch_max))
+        capacity = min(capacity, (map_size - _MAP_SLACK) // _INDEX_BYTES)
     if capacity < 1:
         raise ValueError(
             f"capacity {capacity_bytes} B or map size {map_size} B holds no block of "
             f"{block_bytes} B"
         )
-    batch = min(batch_max, capacity)
+    batch = max(1, min(_MAX_BATCH_BYTES // block_bytes, capacity // 8))
     if map_size is None:
-        map_size = 2 * (capacity + 2 * batch) * value_bytes + _MAP_SLACK
+        map_size = max(_MAP_FLOOR, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES)
     return capacity, batch, map_size
 
 

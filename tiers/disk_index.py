@@ -1,0 +1,180 @@
+"""The disk tier's index: small LMDB entries that say where each block is, and its recency.
+
+Two named databases change together in the same transactions: ``index`` maps a 16-byte block
+hash to an ``Entry`` (format version, access sequence number, slot, layout signature, payload
+length, xxh3_64 of the payload); ``order`` maps the big-endian sequence number back to the hash,
+so its first key is the least recently used block. Every value is a few dozen bytes: the block
+bytes themselves live in the data file (``disk_slots``).
+
+``BlockIndex`` follows py-lmdb's rules: one writer thread (the tier's) makes every write
+transaction, readers use short read transactions.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from typing import NamedTuple
+
+import lmdb
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2
+# big-endian, the checksum last: its bytes are those of ``xxh3_64_digest``
+_ENTRY = struct.Struct(">HQQ16sQQ")
+# order key: big-endian, so LMDB's byte order is access order
+_SEQ = struct.Struct(">Q")
+# A key of the main database, written only to make a commit (see DiskTier._commit).
+_MARKER = b"kvtier-marker"
+
+
+class Entry(NamedTuple):
+    """Where a block is and how to check it."""
+
+    version: int
+    seq: int
+    slot: int
+    signature: bytes
+    length: int
+    checksum: int
+
+    def pack(self) -> bytes:
+        return _ENTRY.pack(*self)
+
+
+UNREADABLE = Entry(0, 0, -1, b"", 0, 0)
+"""What ``BlockIndex.get`` returns for a value of another format: an entry naming no slot."""
+
+
+def parse(value: bytes) -> Entry | None:
+    """The entry stored as ``value``, or None for a value of another format."""
+    if len(value) != _ENTRY.size:
+        return None
+    entry = Entry._make(_ENTRY.unpack(value))
+    return entry if entry.version == FORMAT_VERSION else None
+
+
+class BlockIndex:
+    """The ``index`` and ``order`` databases of the LMDB environment at ``path``."""
+
+    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
+        self.env = lmdb.open(
+            path, map_size=map_size, max_dbs=3, max_readers=512, sync=sync, metasync=sync
+        )
+        try:
+            self.env.reader_check()
+            self._index = self.env.open_db(b"index")
+            self._order = self.env.open_db(b"order")
+        except BaseException:
+            self.env.close()
+            raise
+        self._next_seq = 0
+
+    def read(self) -> lmdb.Transaction:
+        """A short read transaction (use it in ``with``)."""
+        return self.env.begin(db=self._index, buffers=True)
+
+    def write(self) -> lmdb.Transaction:
+        """A write transaction, for the writer thread only (use it in ``with``)."""
+        return self.env.begin(write=True)
+
+    def get(self, txn: lmdb.Transaction, block_hash: bytes) -> Entry | None:
+        """The block's entry, ``UNREADABLE`` if its value cannot be parsed, None if absent."""
+        value = txn.get(block_hash, db=self._index)
+        return None if value is None else parse(value) or UNREADABLE
+
+    def has(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
+        return txn.get(block_hash, db=self._index) is not None
+
+    def touch(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
+        """Makes the block's stored ``entry`` the most recently used."""
+        txn.delete(_SEQ.pack(entry.seq), db=self._order)
+        self.insert(txn, block_hash, entry)
+
+    def insert(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
+        """Stores the entry as the most recently used (its ``seq`` is assigned here)."""
+        seq = self._next_seq
+        self._next_seq += 1  # a gap left by an aborted transaction is harmless
+        txn.put(block_hash, entry._replace(seq=seq).pack(), db=self._index)
+        txn.put(_SEQ.pack(seq), block_hash, db=self._order)
+
+    def replace(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
+        """Rewrites an entry in place (same sequence number)."""
+        txn.put(block_hash, entry.pack(), db=self._index)
+
+    def delete(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
+        txn.delete(block_hash, db=self._index)
+        if entry is not UNREADABLE:  # its order key, if any, is left to ``evict`` and ``load``
+            txn.delete(_SEQ.pack(entry.seq), db=self._order)
+
+    def evict(self, txn: lmdb.Transaction, count: int) -> list[tuple[bytes, int]]:
+        """Deletes up to ``count`` least recently used blocks; returns their hashes and slots.
+
+        An order key whose entry is gone or newer is stale: it is deleted and not counted.
+        """
+        victims: list[tuple[bytes, bytes, int]] = []
+        stale = []
+        if count > 0:
+            for key, block_hash in txn.cursor(db=self._order):
+                value = txn.get(block_hash, db=self._index)
+                entry = None if value is None else parse(value)
+                if entry is None or entry.seq != _SEQ.unpack(key)[0]:
+                    stale.append(key)
+                    continue
+                victims.append((key, block_hash, entry.slot))
+                if len(victims) == count:
+                    break
+        for key in stale:
+            txn.delete(key, db=self._order)
+        for key, block_hash, _ in victims:
+            txn.delete(block_hash, db=self._index)
+            txn.delete(key, db=self._order)
+        return [(block_hash, slot) for _, block_hash, slot in victims]
+
+    def mark(self, txn: lmdb.Transaction) -> None:
+        """Writes a marker key, only so that a commit happens."""
+        txn.put(_MARKER, b"")
+
+    def load(
+        self, txn: lmdb.Transaction, keep: Callable[[Entry], bool]
+    ) -> tuple[dict[bytes, Entry], int]:
+        """At open: returns ({hash: entry} kept, how many dropped).
+
+        Drops entries of another format, entries ``keep`` refuses and all but one entry per
+        slot; makes ``order`` follow the index; drops format 1's payload database.
+        """
+        if txn.get(b"blocks") is not None:  # format 1 kept the payloads in LMDB itself
+            txn.drop(self.env.open_db(b"blocks", txn=txn), delete=True)
+        entries: dict[bytes, Entry] = {}
+        slots: set[int] = set()
+        dropped = []
+        for block_hash, value in txn.cursor(db=self._index):
+            entry = parse(value)
+            if entry is None or not keep(entry) or entry.slot in slots:
+                dropped.append(block_hash)
+            else:
+                entries[block_hash] = entry
+                slots.add(entry.slot)
+        for block_hash in dropped:
+            txn.delete(block_hash, db=self._index)
+        ordered = set()
+        for key, block_hash in txn.cursor(db=self._order):
+            entry = entries.get(block_hash)
+            if entry is None or entry.seq != _SEQ.unpack(key)[0]:
+                txn.delete(key, db=self._order)
+            else:
+                ordered.add(block_hash)
+        for block_hash, entry in entries.items():
+            if block_hash not in ordered:
+                txn.put(_SEQ.pack(entry.seq), block_hash, db=self._order)
+        cursor = txn.cursor(db=self._order)
+        self._next_seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+        return entries, len(dropped)
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.env.close()
