@@ -23,6 +23,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.pinned import allocate_host
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ def disk_rates(directory: str, blocks: torch.Tensor) -> tuple[float, float]:
     finally:
         disk.close()
     drop_page_cache(os.path.join(directory, "data.mdb"))
-    out = torch.empty_like(blocks)
+    # Disk reads land in host tier slots, which are page-aligned; so does this buffer.
+    out = allocate_host(n * block_bytes).view(n, block_bytes)
+    out.fill_(0)
     disk = DiskTier(directory, LAYOUT.signature, block_bytes, 4 * n * block_bytes)
     try:
         start = time.perf_counter()

@@ -60,3 +60,15 @@ def test_copy_rows_and_cpu_copy_engine_roundtrip(small_layout):
     b = np.zeros_like(a)
     copy_rows(b, [2, 0], a, [0, 1])
     assert b.tolist() == [[4, 5, 6, 7], [0, 0, 0, 0], [0, 1, 2, 3]]
+
+
+def test_copy_rows_large_batches_go_parallel_and_stay_exact():
+    rows, width = 12, 1 << 20  # 12 MiB: above the threshold for the threaded path
+    src = np.random.default_rng(0).integers(0, 256, (rows, width), dtype=np.uint8)
+    dst = np.zeros((rows + 3, width), dtype=np.uint8)
+    order = list(np.random.default_rng(1).permutation(rows + 3)[:rows])
+    copy_rows(dst, order, src, range(rows))
+    for i, d in enumerate(order):
+        assert np.array_equal(dst[d], src[i])
+    untouched = set(range(rows + 3)) - set(order)
+    assert all(not dst[u].any() for u in untouched)

@@ -54,6 +54,7 @@ _MAP_SLACK = 256 << 10
 _MAP_FLOOR = 64 << 20
 
 # Writer queue operations; the ones below _FLUSH change the database.
+_MAX_DEFERRED_TOUCHES = 4096
 _PUT, _TOUCH, _DROP, _FLUSH, _STOP = range(5)
 
 _open_paths: set[str] = set()
@@ -403,11 +404,21 @@ class DiskTier:
 
     def _run(self) -> None:
         batch: list[tuple[int, Any]] = []
+        touches: list[tuple[int, Any]] = []
         try:
             stop = False
             while not stop:
                 batch = self._next_batch()
                 stop = any(op == _STOP for op, _ in batch)
+                # Access-order bumps alone are not worth a synced commit per read burst: they
+                # ride along with the next commit that stores, drops or flushes. A crash loses
+                # only some LRU precision, never a block.
+                if len(touches) + len(batch) < _MAX_DEFERRED_TOUCHES and all(
+                    op == _TOUCH for op, _ in batch
+                ):
+                    touches += batch
+                    continue
+                batch, touches = touches + batch, []
                 self._process(batch)
         finally:
             with self._lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import mmap
 
 import torch
 
@@ -14,9 +15,16 @@ def cuda_present() -> bool:
 
 
 def allocate_host(num_bytes: int, pin: bool | None = None) -> torch.Tensor:
-    """A uint8 host tensor, page-locked when ``pin`` (default: when CUDA is present)."""
+    """A page-aligned uint8 host tensor, page-locked when ``pin`` (default: with CUDA).
+
+    Page alignment lets the disk tier read with O_DIRECT straight into a slot. CUDA's pinned
+    allocations are page-aligned already; otherwise the memory is an anonymous mapping (the
+    tensor keeps it alive).
+    """
     pin = cuda_present() if pin is None else pin
-    return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        return torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return torch.frombuffer(mmap.mmap(-1, max(num_bytes, 1)), dtype=torch.uint8)[:num_bytes]
 
 
 def register_pinned(buffer: torch.Tensor) -> bool:
