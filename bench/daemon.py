@@ -4,7 +4,8 @@ Starts a daemon (a ``kvtier serve`` subprocess on private paths, host tier only,
 are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
 
 * N client processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes that all hit
-  (the longest walk): p50/p99 latency and aggregate lookups per second;
+  (the longest walk): p50/p99 latency and aggregate lookups per second, beside
+  ``rpc_floor_p50_ms``: the daemon's bare health Check, the least any gRPC call costs here;
 * one client times store (Reserve → copy into the arena → Commit) and load (Acquire → copy out
   → Release) of batches of blocks, beside ``memcpy_gbps``: the same tensor copy between two
   private buffers measured in the same run. ``store_ratio``/``load_ratio`` divide by it.
@@ -24,8 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import torch
 import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.client import DaemonClient
 from kvtier.proto import contract
@@ -45,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=2, help="lookup client processes")
     parser.add_argument("--hashes", type=int, default=1000, help="hashes per lookup")
     parser.add_argument("--lookups", type=int, default=3000, help="lookups per client")
-    parser.add_argument("--block-kib", type=int, default=512, help="block size in KiB")
+    parser.add_argument("--block-kib", type=int, default=2048, help="block size in KiB")
     parser.add_argument("--batch", type=int, default=32, help="blocks per store/load batch")
     parser.add_argument("--rounds", type=int, default=8, help="timed store/load batches")
 
@@ -75,6 +78,21 @@ def lookup_worker(target: str, block_bytes: int, count: int, lookups: int, out) 
         raise
     finally:
         client.close()
+
+
+def rpc_floor_ms(target: str, calls: int = 2000) -> float:
+    """Median round trip of the daemon's standard health Check: the least any RPC costs here."""
+    with grpc.insecure_channel(target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        request = health_pb2.HealthCheckRequest(service="")
+        for _ in range(100):
+            check(request, timeout=30)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            check(request, timeout=30)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def copy_rates(client: DaemonClient, batch: int, rounds: int) -> dict[str, float]:
@@ -177,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         if not client.wait_connected(60):
             raise RuntimeError(f"daemon did not come up: {(root / 'daemon.log').read_text()}")
         rates = copy_rates(client, args.batch, args.rounds)
+        floor_ms = rpc_floor_ms(target)
         hashes = hashes_for(args.hashes)
         for i in range(0, len(hashes), args.batch):
             chunk = hashes[i : i + args.batch]
@@ -213,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         "lookup_p50_ms": statistics.median(times) * 1e3,
         "lookup_p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3,
         "lookups_per_s": len(times) / busy,
+        "rpc_floor_p50_ms": floor_ms,
+        "lookup_vs_floor": statistics.median(times) * 1e3 / floor_ms,
         **rates,
         "store_ratio": rates["store_gbps"] / rates["memcpy_gbps"],
         "load_ratio": rates["load_gbps"] / rates["memcpy_gbps"],

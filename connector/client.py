@@ -288,7 +288,10 @@ class DaemonClient:
     def _finish(self, method: str, slots: Sequence[int], take) -> bool:
         """Hands slots back: to the daemon if they belong to the live session, else locally.
 
-        True if the daemon confirmed the call.
+        ``Commit`` waits for the daemon (the blocks are durable and readable when it returns)
+        and says whether it was confirmed. ``Release`` and ``Abort`` need no answer, so they
+        go out without waiting, keeping a round trip off the engine's path; a failure still
+        gives up the session, as for any call that changes slots.
         """
         if not slots:
             return True
@@ -298,13 +301,25 @@ class DaemonClient:
         if session is None:
             return False  # the old session is gone; the daemon already took its slots back
         request = pb.SlotsRequest(session_id=session, slots=slots)
-        timeout = self.commit_timeout_s if method == "Commit" else self.timeout_s
+        call = getattr(self._stub, method)
+        if method != "Commit":
+            future = call.future(request, timeout=self.timeout_s, metadata=self._metadata)
+            future.add_done_callback(lambda f: self._settled(method, f, session))
+            return True
         try:
-            getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+            call(request, timeout=self.commit_timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             self._trouble(method, exc, session, stateful=True)
             return False
         return True
+
+    def _settled(self, method: str, future: grpc.Future, session: str) -> None:
+        """Callback of a call sent without waiting: failures count as for a waited call."""
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            self._trouble(method, exc, session, stateful=True)
 
     def _reserved_take(self, slots: Sequence[int]) -> None:
         missing = [s for s in slots if s not in self._reserved]
