@@ -12,7 +12,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtier.connector.client import DaemonClient
 from kvtier.proto import contract
+from kvtier.tiers.layout import KVLayout
 
 STORE_POLICIES = ("on_compute", "on_finish")
 
@@ -86,6 +88,20 @@ class KVTierConfig:
         if self.token_file is None:
             return None
         return Path(self.token_file).read_text().strip()
+
+    def client(self, layout: KVLayout, name: str, *, map_arena: bool = True) -> DaemonClient:
+        """A daemon client for one connector role, with this config's endpoint and deadlines."""
+        return DaemonClient(
+            layout.signature,
+            layout.block_bytes,
+            block_tokens=layout.block_size,
+            target=self.target(),
+            token=self.token(),
+            client_name=name,
+            timeout_s=self.timeout_s,
+            commit_timeout_s=self.commit_timeout_s,
+            map_arena=map_arena,
+        )
 
 
 def _check_type(key: str, value: Any, field: dataclasses.Field) -> None:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from kvtier.connector.client import DaemonClient
 from kvtier.connector.vllm_config import KVTierConfig
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec
 from kvtier.connector.vllm_request import RequestHashes
@@ -62,17 +61,7 @@ class SchedulerSide:
         self.namespaces = [
             Namespace(model_id, layout.signature, rank, tp_world) for rank in range(tp_world)
         ]
-        self.client = DaemonClient(
-            layout.signature,
-            layout.block_bytes,
-            block_tokens=layout.block_size,
-            target=config.target(),
-            token=config.token(),
-            client_name="vllm-scheduler",
-            timeout_s=config.timeout_s,
-            commit_timeout_s=config.commit_timeout_s,
-            map_arena=False,
-        )
+        self.client = config.client(layout, "vllm-scheduler", map_arena=False)
         if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
             log.warning(
                 "kvtier daemon %s not reachable yet; lookups miss until it is", config.target()

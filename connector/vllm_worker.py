@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.connector.client import DaemonClient
 from kvtier.connector.vllm_config import KVTierConfig
 from kvtier.connector.vllm_layout import layer_views
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
@@ -58,16 +57,7 @@ class WorkerSide:
         self.layout = layout
         self.layer_names = layer_names
         self.rank = rank
-        self.client = DaemonClient(
-            layout.signature,
-            layout.block_bytes,
-            block_tokens=layout.block_size,
-            target=config.target(),
-            token=config.token(),
-            client_name=f"vllm-worker-{rank}",
-            timeout_s=config.timeout_s,
-            commit_timeout_s=config.commit_timeout_s,
-        )
+        self.client = config.client(layout, f"vllm-worker-{rank}")
         if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
             log.warning(
                 "kvtier daemon %s not reachable yet; loads miss until it is", config.target()
