@@ -100,6 +100,7 @@ class DaemonClient:
         self._max_hashes = contract.MAX_HASHES
         self._reserved: set[int] = set()
         self._acquired: Counter[int] = Counter()
+        self._unsettled: list[grpc.Future] = []
         self._keepalive: grpc.Future | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvtier-client", daemon=True)
@@ -170,6 +171,7 @@ class DaemonClient:
         self, hashes: Sequence[BlockHash], parents: Sequence[BlockHash] | None = None
     ) -> list[int]:
         """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``parents`` feed events."""
+        self._await_unsettled()
         session = self._session
         if session is None or len(hashes) > self._max_hashes:
             self.failures += session is None
@@ -202,6 +204,7 @@ class DaemonClient:
         self._finish("Abort", slots, self._reserved_take)
 
     def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
+        self._await_unsettled()
         session = self._session
         if session is None or not hashes or len(hashes) > self._max_hashes:
             self.failures += session is None and bool(hashes)
@@ -304,6 +307,8 @@ class DaemonClient:
         call = getattr(self._stub, method)
         if method != "Commit":
             future = call.future(request, timeout=self.timeout_s, metadata=self._metadata)
+            with self._lock:
+                self._unsettled.append(future)
             future.add_done_callback(lambda f: self._settled(method, f, session))
             return True
         try:
@@ -313,8 +318,19 @@ class DaemonClient:
             return False
         return True
 
+    def _await_unsettled(self) -> None:
+        """Waits for the releases and aborts sent without waiting, so that this client's next
+        reserve or acquire sees the room they made; their failures are handled by callback."""
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        for future in pending:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                future.result()
+
     def _settled(self, method: str, future: grpc.Future, session: str) -> None:
         """Callback of a call sent without waiting: failures count as for a waited call."""
+        with self._lock, contextlib.suppress(ValueError):
+            self._unsettled.remove(future)
         if future.cancelled():
             return
         exc = future.exception()
