@@ -34,6 +34,7 @@ import xxhash
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk_index import FORMAT_VERSION, BlockIndex, Entry
+from kvtier.tiers.disk_recovery import recover
 from kvtier.tiers.disk_slots import BufferPool, SlotFile, SlotTable, slot_stride
 from kvtier.tiers.hashing import HASH_BYTES
 
@@ -342,63 +343,30 @@ class DiskTier:
     # ---- start-up ----
 
     def _recover(self) -> list[int]:
-        """Keeps the entries this tier can use, evicts down to the budget and fits the data
-        file to it, first moving blocks past its new end into free slots below. Returns the
-        free slots."""
-        file_slots = 0 if self._slots.created else self._slots.slots
-        with self._index.write() as txn:
-            # A wrong length is left to the first read, which counts it as corrupt.
-            entries, dropped = self._index.load(
-                txn, lambda e: e.signature == self._signature and 0 <= e.slot < file_slots
-            )
-            evicted = self._index.evict(txn, len(entries) - self._capacity_blocks)
-            for block_hash, _ in evicted:
-                del entries[block_hash]
-            moved, lost = self._move_below(txn, entries)
-        self._slots.resize(self._total_slots)
-        if dropped:
+        """Recovers the directory's blocks (see ``recover``); returns the free slots."""
+        found = recover(
+            self._index,
+            self._slots,
+            self._pool,
+            signature=self._signature,
+            block_bytes=self.block_bytes,
+            capacity_blocks=self._capacity_blocks,
+            total_slots=self._total_slots,
+        )
+        if found.dropped:
             log.warning(
                 "disk tier %s: dropped %d blocks stored for another layout or format",
                 self._path,
-                dropped,
+                found.dropped,
             )
-        if moved:
-            log.info("disk tier %s: moved %d blocks into the smaller file", self._path, moved)
+        if found.moved:
+            log.info("disk tier %s: moved %d blocks into the smaller file", self._path, found.moved)
         c = self.counters
-        c.blocks_evicted += dropped + len(evicted)
-        c.checksum_failures += lost
-        c.used_blocks = len(entries)
+        c.blocks_evicted += found.dropped + found.evicted
+        c.checksum_failures += found.lost
+        c.used_blocks = found.used
         c.used_bytes = c.used_blocks * self.block_bytes
-        return sorted(set(range(self._total_slots)) - {e.slot for e in entries.values()})
-
-    def _move_below(self, txn: lmdb.Transaction, entries: dict[bytes, Entry]) -> tuple[int, int]:
-        """Moves blocks from slots past the budget's into free ones (a budget made smaller);
-        updates ``entries``. Returns (blocks moved, blocks dropped for a bad checksum)."""
-        outside = [(h, e) for h, e in entries.items() if e.slot >= self._total_slots]
-        if not outside:
-            return 0, 0
-        used = {e.slot for e in entries.values()}
-        free = iter(sorted(set(range(self._total_slots)) - used))
-        buf = self._pool.acquire()
-        lost = 0
-        with memoryview(buf) as view:
-            payload = view[: self.block_bytes]
-            for block_hash, entry in outside:
-                self._slots.read_into(entry.slot, payload)
-                if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
-                    self._index.delete(txn, block_hash, entry)
-                    del entries[block_hash]
-                    lost += 1
-                    continue
-                slot = next(free)  # the budget's slots hold every survivor
-                self._slots.write([(slot, view)])
-                entries[block_hash] = entry._replace(slot=slot)
-            payload.release()
-        self._slots.sync()  # the bytes are in their new slots before the index says so
-        for block_hash, _ in outside:
-            if block_hash in entries:
-                self._index.replace(txn, block_hash, entries[block_hash])
-        return len(outside) - lost, lost
+        return found.free_slots
 
     # ---- the writer thread ----
 
