@@ -231,6 +231,9 @@ class CopyEngine:
         return transfer
 
     def _finish(self, transfer: Transfer) -> Transfer:
+        """Runs a completed transfer's callback and lets its staging buffer go: blocks may
+        keep the transfer as their ``pending_read`` long after, and must not pin GPU memory."""
+        transfer._staging = None
         if transfer.callback is not None:
             callback, transfer.callback = transfer.callback, None
             callback()
