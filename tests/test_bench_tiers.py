@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import json
+
+from kvtier.service.cli import main
+
+KEYS = {
+    "memcpy_gbps",
+    "disk_raw_write_gbps",
+    "disk_raw_read_gbps",
+    "host_store_gbps",
+    "host_load_gbps",
+    "disk_write_gbps",
+    "disk_read_cold_gbps",
+    "hash_mtokens_per_s",
+    "host_ratio",
+    "disk_write_ratio",
+    "disk_read_ratio",
+}
+
+
+def test_bench_tiers_json_has_exactly_its_keys(tmp_path, capsys):
+    assert main(["bench", "tiers", "--blocks", "4", "--dir", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == KEYS
+    assert all(value > 0 for value in result.values())
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
