@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +93,16 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.synchronize()
         self._finisher.submit(lambda: None).result()
+
+    def wait_for_loads(self, timeout: float | None = None) -> None:
+        """Blocks until every async load begun so far has acquired its slots and its copy has
+        landed; for an engine that has nothing else to run this step."""
+        wait([load.acquired for load in self._async_loads.values()], timeout=timeout)
+        for load in list(self._async_loads.values()):
+            if load.transfer is None and load.acquired.done():
+                self._copy_async(load)
+        if self.engine is not None:
+            self.engine.synchronize()
 
     def shutdown(self) -> None:
         """Lets every copy land, hands every slot back and closes the session."""

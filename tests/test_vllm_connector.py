@@ -166,7 +166,8 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One scheduler step and a fake forward pass; True if any token was scheduled."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         worker = self.worker
@@ -214,6 +215,7 @@ class Engine:
                     self.hit_sources[source] = self.hit_sources.get(source, 0) + n
             for key, value in (sched_stats.kv_connector_stats or {}).items():
                 self.scheduler_stats[key] = self.scheduler_stats.get(key, 0) + value
+        return out.total_num_scheduled_tokens > 0
 
     def _take_stats(self):
         stats = self.worker.get_kv_connector_stats()
@@ -271,7 +273,10 @@ class Engine:
         steps = 0
         while self.scheduler.has_requests():
             assert steps < MAX_STEPS, "the scheduler never drained"
-            self.step()
+            if not self.step():
+                # Every request waits for an async load: let the loads land rather than spin,
+                # so the number of steps does not depend on how fast the acquire thread runs.
+                self.worker.worker.wait_for_loads(timeout=60)
             steps += 1
         self.worker.worker.drain()  # commits answered after the last step count too
         self._take_stats()
