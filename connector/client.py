@@ -171,7 +171,7 @@ class DaemonClient:
         self, hashes: Sequence[BlockHash], parents: Sequence[BlockHash] | None = None
     ) -> list[int]:
         """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``parents`` feed events."""
-        self._await_unsettled()
+        self.settle()
         session = self._session
         if session is None or len(hashes) > self._max_hashes:
             self.failures += session is None
@@ -204,7 +204,7 @@ class DaemonClient:
         self._finish("Abort", slots, self._reserved_take)
 
     def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
-        self._await_unsettled()
+        self.settle()
         session = self._session
         if session is None or not hashes or len(hashes) > self._max_hashes:
             self.failures += session is None and bool(hashes)
@@ -318,9 +318,12 @@ class DaemonClient:
             return False
         return True
 
-    def _await_unsettled(self) -> None:
-        """Waits for the releases and aborts sent without waiting, so that this client's next
-        reserve or acquire sees the room they made; their failures are handled by callback."""
+    def settle(self) -> None:
+        """Waits until the daemon has answered every release and abort sent without waiting.
+
+        Reserve and acquire call it first, so that they see the room those made; failures are
+        handled by the calls' own callbacks.
+        """
         with self._lock:
             pending, self._unsettled = self._unsettled, []
         for future in pending:

@@ -93,6 +93,7 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.synchronize()
         self._finisher.submit(lambda: None).result()
+        self.client.settle()
 
     def wait_for_loads(self, timeout: float | None = None) -> None:
         """Blocks until every async load begun so far has acquired its slots and its copy has
