@@ -9,12 +9,12 @@ copy also gathers or scatters 32 K/V pieces per block as a real engine's would.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvtier.bench.limits import best_seconds
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.pinned import allocate_host
@@ -42,16 +42,14 @@ class CopyRates:
 
 
 def _best_seconds(fn: Callable[[], None], iters: int) -> float:
-    """Fastest of ``iters`` synchronized runs, after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
+    """Fastest of ``iters`` runs of ``fn`` through to the device's last kernel, after a warm-up."""
+
+    def synchronized() -> None:
         fn()
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+
+    synchronized()
+    return best_seconds(synchronized, iters)
 
 
 def pcie_ceiling(num_bytes: int, iters: int) -> PcieCeiling:

@@ -85,7 +85,7 @@ class DaemonClient:
         self.sessions_opened = 0
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
         self._local_identity = (
-            {"client_pid": os.getpid(), "client_pid_ns": os.stat("/proc/self/ns/pid").st_ino}
+            {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
             if self.target.startswith("unix:")
             else {}
         )

@@ -49,3 +49,8 @@ def unix_target(path: str | os.PathLike[str]) -> str:
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
     """Call metadata that carries ``token``."""
     return ((TOKEN_METADATA_KEY, f"Bearer {token}"),)
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace: pids compare only within one."""
+    return os.stat("/proc/self/ns/pid").st_ino

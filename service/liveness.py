@@ -6,14 +6,9 @@ nothing more into the arena, so its slots may be reused at once.
 
 from __future__ import annotations
 
-import os
+from kvtier.proto.contract import pid_namespace
 
 _PF_EXITING = 0x4  # set at the start of the kernel's exit path, before files are closed
-
-
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace; pids compare only within one."""
-    return os.stat("/proc/self/ns/pid").st_ino
 
 
 def process_gone(pid: int, pid_ns: int) -> bool:

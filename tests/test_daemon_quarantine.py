@@ -9,13 +9,13 @@ import sys
 
 import pytest
 
-from kvtier.proto.contract import PROTOCOL_VERSION
+from kvtier.proto.contract import PROTOCOL_VERSION, pid_namespace
 from kvtier.service import daemon as daemon_module
 from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
-from kvtier.service.liveness import pid_namespace, process_gone
+from kvtier.service.liveness import process_gone
 from kvtier.service.store import BlockStore
 from kvtier.tiers.host import ALREADY_STORED
 

@@ -36,7 +36,7 @@ from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk_index import FORMAT_VERSION, BlockIndex, Entry
 from kvtier.tiers.disk_recovery import recover
 from kvtier.tiers.disk_slots import BufferPool, SlotFile, SlotTable, slot_stride
-from kvtier.tiers.hashing import HASH_BYTES
+from kvtier.tiers.hashing import check_hash
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class DiskTier:
     def lookup_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading ``hashes`` this tier holds, read in one short transaction."""
         for h in hashes:
-            _check_hash(h)
+            check_hash(h)
         # Pending first, LMDB second: the writer commits before it forgets a pending block,
         # so a block leaving the pending map is already visible to a transaction begun later.
         with self._lock:
@@ -194,7 +194,7 @@ class DiskTier:
         A stored block whose entry or checksum does not match is a miss: it is counted in
         ``checksum_failures`` and dropped, and ``out`` then holds no meaningful bytes.
         """
-        _check_hash(block_hash)
+        check_hash(block_hash)
         dst = memoryview(out).cast("B")
         if dst.readonly or dst.nbytes != self.block_bytes:
             raise ValueError(f"out must be a writable buffer of {self.block_bytes} bytes")
@@ -244,7 +244,7 @@ class DiskTier:
         The bytes are copied before this returns and are readable at once; the writer thread
         commits them later (``flush`` waits for that). A block already held is left as it is.
         """
-        _check_hash(block_hash)
+        check_hash(block_hash)
         src = memoryview(data).cast("B")
         if src.nbytes != self.block_bytes:
             raise ValueError(f"block must be {self.block_bytes} bytes, got {src.nbytes}")
@@ -577,8 +577,3 @@ def _plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[
     if map_size is None:
         map_size = max(_MAP_FLOOR, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES)
     return capacity, batch, map_size
-
-
-def _check_hash(block_hash: bytes) -> None:
-    if len(block_hash) != HASH_BYTES:
-        raise ValueError(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")

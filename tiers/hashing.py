@@ -22,6 +22,12 @@ HASH_VERSION = 1
 BlockHash = bytes
 
 
+def check_hash(block_hash: bytes) -> None:
+    """Raises ``ValueError`` unless ``block_hash`` is a 16-byte ``bytes``."""
+    if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
+        raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {block_hash!r:.40}")
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """What makes two engines' blocks interchangeable: same model, layout, TP rank and world."""

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.hashing import HASH_BYTES, BlockHash
+from kvtier.tiers.hashing import BlockHash, check_hash
 from kvtier.tiers.pinned import allocate_host
 
 ALREADY_STORED = -1
@@ -45,11 +45,6 @@ class LowerHits:
     @property
     def total(self) -> int:
         return self.host + self.disk
-
-
-def check_hash(block_hash: bytes) -> None:
-    if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
-        raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {block_hash!r:.40}")
 
 
 class HostTier:
