@@ -4,33 +4,38 @@
 ``reserve``/``commit``/``abort``, ``acquire``/``release``, ``slab``, ``counters``), so
 ``build_stack`` and the fall-through walk run unchanged with the lower tiers behind a daemon.
 
-It never raises into the engine for daemon trouble. Every call has a deadline; when the daemon
-is down, slow or refuses, a lookup is a miss, a reserve is ``NO_SPACE`` and an acquire is
-empty, each counted in ``failures``. A failed call that may have changed slots on the daemon
-(reserve, commit, abort, acquire, release) gives up the whole session, so the daemon gets every
-slot of it back. A background thread then opens a new session once the engine has handed back
-every slot of the old one (so a slot id can never mean two things), re-maps the arena if the
-daemon restarted, and holds the session's keep-alive stream.
+It never raises into the engine for daemon trouble. Every call has a deadline; a lookup that
+fails is a miss, a reserve ``NO_SPACE``, an acquire a shorter prefix, each counted in
+``failures``. A missed deadline opens a circuit breaker, so a frozen daemon costs one deadline,
+not one per call. Large acquires and commits go in chunks whose deadlines grow with their
+bytes; a chunk that fails costs that chunk only: the client cancels it (``Cancel`` with its
+call id gives back whatever the call took, even if it finishes later), and the session goes
+on. Only a failure it cannot repair (a release or abort the daemon never confirmed, or the
+session gone) gives the session up; ``SessionKeeper`` then opens a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.arena import ArenaView
+from kvtier.connector.circuit import CircuitBreaker
+from kvtier.connector.client_session import SessionKeeper, SlotLedger
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host import NO_SPACE, LowerHits
+from kvtier.tiers.lower import NO_SPACE, LowerHits
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +45,12 @@ _CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-_MAX_BACKOFF_S = 2.0
+_TRIPS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+"""Codes that mean the daemon is not answering: the circuit breaker opens."""
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+"""Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
+RESERVE_META_BYTES = 16 << 20
+"""Most engine metadata bytes sent in one Reserve (the daemon allows twice that)."""
 
 
 class DaemonClient:
@@ -48,10 +58,10 @@ class DaemonClient:
 
     ``target`` is ``unix:/path`` or ``host:port`` (default: the socket of the daemon called
     ``name``). ``token`` (default ``$KVTIER_TOKEN``) is sent with every call, which a TCP
-    listener requires. ``timeout_s`` bounds every call but ``Commit``, which waits up to
-    ``commit_timeout_s`` for the daemon's disk tier to make the blocks durable.
-    ``map_arena=False`` skips mapping the shared arena, for a client that only looks up (a
-    scheduler process): ``slab`` then stays empty.
+    listener requires. ``timeout_s`` bounds every call; an acquire of ``n`` bytes may take
+    ``n / (load_gbps * 1e9)`` seconds more (the daemon may read them from disk), and goes in
+    chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
+    a client that only looks up (a scheduler process): ``slab`` then stays empty.
     """
 
     def __init__(
@@ -65,7 +75,8 @@ class DaemonClient:
         token: str | None = None,
         client_name: str | None = None,
         timeout_s: float = 2.0,
-        commit_timeout_s: float = 10.0,
+        load_gbps: float = 0.5,
+        chunk_bytes: int = 256 << 20,
         map_arena: bool = True,
     ):
         if len(layout_signature) != 16:
@@ -78,64 +89,63 @@ class DaemonClient:
         self._metadata = contract.bearer(token) if token else None
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.timeout_s = timeout_s
-        self.commit_timeout_s = commit_timeout_s
-        self.map_arena = map_arena
+        self.load_gbps = load_gbps
+        self._chunk_blocks = max(1, chunk_bytes // block_bytes)
         self.counters = TierCounters("host")
         self.failures = 0
-        self.sessions_opened = 0
-        # On this host the daemon can see whether this process is gone (pid + pid namespace).
-        self._local_identity = (
-            {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
-            if self.target.startswith("unix:")
-            else {}
-        )
         self._arena = ArenaView(block_bytes)
         self.slab = self._arena.slab
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.KvTierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._session: str | None = None
-        self._daemon_id: str | None = None
-        self._max_hashes = contract.MAX_HASHES
-        self._reserved: set[int] = set()
-        self._acquired: Counter[int] = Counter()
+        self._ledger = SlotLedger(self._lock)
         self._unsettled: list[grpc.Future] = []
-        self._keepalive: grpc.Future | None = None
-        self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._maintain, name="kvtier-client", daemon=True)
-        self._thread.start()
+        self._call_ids = itertools.count(1)
+        self.breaker = CircuitBreaker(self._probe, self.target)
+        # On this host the daemon can see whether this process is gone (pid + pid namespace).
+        local = (
+            {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
+            if self.target.startswith("unix:")
+            else {}
+        )
+        open_request = pb.OpenRequest(
+            client_name=self.client_name,
+            layout_signature=self.layout_signature,
+            block_bytes=block_bytes,
+            block_tokens=block_tokens,
+            protocol_version=contract.PROTOCOL_VERSION,
+            **local,
+        )
+        self._keeper = SessionKeeper(
+            self._stub,
+            open_request,
+            self._arena if map_arena else None,
+            self._ledger,
+            self._lock,
+            target=self.target,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+        )
 
     # ---- state ----
 
     @property
     def connected(self) -> bool:
-        return self._session is not None
+        return self._keeper.session is not None
+
+    @property
+    def sessions_opened(self) -> int:
+        return self._keeper.sessions_opened
 
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Blocks until a session is open (or ``timeout``); True if one is."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._session is not None, timeout)
+        return self._keeper.wait_connected(timeout)
 
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
-        self._closing.set()
-        with self._lock:
-            session, self._session = self._session, None
-            keepalive = self._keepalive
-            self._changed.notify_all()
-        if keepalive is not None:
-            keepalive.cancel()
-        if session is not None:
-            try:
-                self._stub.Close(
-                    pb.SessionRequest(session_id=session),
-                    timeout=self.timeout_s,
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError as exc:
-                log.debug("Close of session %s failed: %r", session[:8], exc.code())
-        self._thread.join()
+        self.breaker.stop()
+        self._keeper.close()
         self._channel.close()
         self._arena.unmap()
 
@@ -148,82 +158,138 @@ class DaemonClient:
     # ---- LowerTier ----
 
     def lookup(self, hashes: Sequence[BlockHash]) -> LowerHits:
-        session = self._session
+        return self.lookup_async(hashes).result()
+
+    def lookup_async(self, hashes: Sequence[BlockHash]) -> Future[LowerHits]:
+        """Starts a Lookup without waiting; the future never raises (trouble: a miss)."""
+        result: Future[LowerHits] = Future()
+        session = self._usable(bool(hashes))
         if session is None or not hashes:
-            self.failures += session is None and bool(hashes)
-            return LowerHits()
-        hits = LowerHits()
-        for start in range(0, len(hashes), self._max_hashes):
-            chunk = hashes[start : start + self._max_hashes]
-            request = pb.LookupRequest(session_id=session, hashes=_pack(chunk))
-            try:
-                reply = self._stub.Lookup(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                self._trouble("Lookup", exc, session, stateful=False)
-                return hits
-            hits.host += reply.host
-            hits.disk += reply.disk
-            if reply.host + reply.disk < len(chunk):
-                break
-        return hits
+            result.set_result(LowerHits())
+            return result
+        self._lookup_from(session, list(hashes), 0, LowerHits(), result)
+        return result
 
     def reserve(
-        self, hashes: Sequence[BlockHash], parents: Sequence[BlockHash] | None = None
+        self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None
     ) -> list[int]:
-        """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``parents`` feed events."""
+        """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``metas`` (one per hash) is
+        the engine's identity of each block, kept with it and echoed in block events."""
         self.settle()
-        session = self._session
-        if session is None or len(hashes) > self._max_hashes:
-            self.failures += session is None
-            return [NO_SPACE] * len(hashes)
-        request = pb.ReserveRequest(
-            session_id=session,
-            hashes=_pack(hashes),
-            parent_hashes=_pack(parents) if parents else b"",
-        )
-        try:
-            reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            self._trouble("Reserve", exc, session, stateful=True)
-            return [NO_SPACE] * len(hashes)
-        slots = list(reply.slots)
-        with self._lock:
-            if self._session != session:
-                return [NO_SPACE] * len(hashes)  # the session ended; the daemon aborted them
-            self._reserved.update(s for s in slots if s >= 0)
+        slots = [NO_SPACE] * len(hashes)
+        session = self._usable(bool(hashes))
+        if session is None:
+            return slots
+        limits = self._keeper.limits
+        room = max(0, limits.max_reserved - len(self._ledger.reserved))
+        for start, end in _chunks(hashes[:room], metas, limits.max_hashes):
+            call_id = next(self._call_ids)
+            request = pb.ReserveRequest(
+                session_id=session,
+                hashes=_pack(hashes[start:end]),
+                metas=metas[start:end] if metas else (),
+                call_id=call_id,
+            )
+            try:
+                reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                self._failed("Reserve", exc, session, repair=self._canceller(session, call_id))
+                break
+            with self._lock:
+                if self._keeper.session != session:
+                    break  # the session ended; the daemon aborted these
+                self._ledger.reserved.update(s for s in reply.slots if s >= 0)
+            slots[start:end] = reply.slots
         return slots
 
     def commit(self, slots: Sequence[int]) -> bool:
-        """Makes the slots readable; True once the daemon confirmed (durable with a disk tier).
+        """Makes the slots readable; True once the daemon confirmed every one of them.
 
-        False means the blocks were not stored (counted in ``failures``); the engine may go on.
+        False means some were not stored (counted in ``failures``); the engine may go on.
         """
-        return self._finish("Commit", slots, self._reserved_take)
+        if not slots:
+            return True
+        with self._lock:
+            self._ledger.take_reserved(slots)
+            session = self._keeper.session
+        if session is None or not self.breaker.allow():
+            if session is not None:
+                self._send_later("Abort", session, slots, tolerate_gone=True)
+            self.failures += 1
+            return False
+        step = self._keeper.limits.max_hashes
+        for start in range(0, len(slots), step):
+            chunk = slots[start : start + step]
+            request = pb.SlotsRequest(session_id=session, slots=chunk)
+            try:
+                self._stub.Commit(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                rest = slots[start:]
+
+                def abort_rest(rest=rest) -> None:
+                    # Each chunk committed whole or not at all: abort them one by one.
+                    for i in range(0, len(rest), step):
+                        self._send_later("Abort", session, rest[i : i + step], tolerate_gone=True)
+
+                self._failed("Commit", exc, session, repair=abort_rest)
+                return False
+        return True
 
     def abort(self, slots: Sequence[int]) -> None:
-        self._finish("Abort", slots, self._reserved_take)
+        self._finish("Abort", slots, self._ledger.take_reserved)
 
     def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
+        return self.acquire_with_sources(hashes)[0]
+
+    def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
+        """Slots holding the held prefix of ``hashes`` (within this session's share of the
+        slots), and which tier each came from; give them back with ``release``."""
         self.settle()
-        session = self._session
-        if session is None or not hashes or len(hashes) > self._max_hashes:
-            self.failures += session is None and bool(hashes)
-            return []
-        request = pb.AcquireRequest(session_id=session, hashes=_pack(hashes))
-        try:
-            reply = self._stub.Acquire(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            self._trouble("Acquire", exc, session, stateful=True)
-            return []
-        slots = list(reply.slots)
-        with self._lock:
-            if self._session != session:
-                return []
-            self._acquired.update(slots)
-        return slots
+        acquired: list[int] = []
+        sources = LowerHits()
+        session = self._usable(bool(hashes))
+        if session is None:
+            return acquired, sources
+        limits = self._keeper.limits
+        room = max(0, limits.max_acquired - self._ledger.acquired.total())
+        wanted = hashes[:room]
+        step = min(self._chunk_blocks, limits.max_hashes)
+        for start in range(0, len(wanted), step):
+            chunk = wanted[start : start + step]
+            call_id = next(self._call_ids)
+            request = pb.AcquireRequest(session_id=session, hashes=_pack(chunk), call_id=call_id)
+            deadline = self.timeout_s + len(chunk) * self.block_bytes / (self.load_gbps * 1e9)
+            try:
+                reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                self._failed("Acquire", exc, session, repair=self._canceller(session, call_id))
+                break
+            with self._lock:
+                if self._keeper.session != session:
+                    break
+                self._ledger.acquired.update(reply.slots)
+            acquired += reply.slots
+            sources.host += reply.host
+            sources.disk += reply.disk
+            sources.remote += reply.remote
+            if len(reply.slots) < len(chunk):
+                break
+        return acquired, sources
 
     def release(self, slots: Sequence[int]) -> None:
-        self._finish("Release", slots, self._acquired_take)
+        self._finish("Release", slots, self._ledger.take_acquired)
+
+    def settle(self) -> None:
+        """Waits until the daemon has answered every call sent without waiting.
+
+        Reserve and acquire call it first, so that they see the room releases and aborts
+        made; failures are handled by those calls' own callbacks.
+        """
+        with self._lock:
+            pending, self._unsettled = self._unsettled, []
+        for future in pending:
+            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
+                future.result()
 
     # ---- bytes through gRPC, for a client that cannot map the arena ----
 
@@ -231,49 +297,47 @@ class DaemonClient:
         self,
         hashes: Sequence[BlockHash],
         blocks: Sequence[bytes],
-        parents: Sequence[BlockHash] | None = None,
+        metas: Sequence[bytes] | None = None,
     ) -> int:
         """Stores whole blocks sent as bytes; returns how many were newly stored."""
-        session = self._session
+        session = self._usable(bool(hashes))
         if session is None:
-            self.failures += 1
             return 0
-        if len(hashes) != len(blocks) or (parents is not None and len(parents) != len(hashes)):
-            raise ValueError("hashes, blocks and parents must have the same length")
+        if len(hashes) != len(blocks) or (metas is not None and len(metas) != len(hashes)):
+            raise ValueError("hashes, blocks and metas must have the same length")
 
         def messages():
             for i, (h, data) in enumerate(zip(hashes, blocks, strict=True)):
                 yield pb.PutRequest(
                     session_id=session if i == 0 else "",
                     hash=h,
-                    parent_hash=parents[i] if parents else b"",
+                    meta=metas[i] if metas else b"",
                     data=bytes(data),
                 )
 
         try:
             reply = self._stub.Put(
-                messages(), timeout=self.timeout_s * max(1, len(hashes)), metadata=self._metadata
+                messages(), timeout=self._deadline(len(hashes)), metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            self._trouble("Put", exc, session, stateful=False)
+            self._failed("Put", exc, session)
             return 0
         return reply.stored
 
     def get_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         """Copies of the held prefix of ``hashes``, as bytes."""
-        session = self._session
-        if session is None or not hashes:
-            self.failures += session is None and bool(hashes)
+        session = self._usable(bool(hashes))
+        if session is None:
             return []
         request = pb.GetRequest(session_id=session, hashes=_pack(hashes))
         blocks: list[bytes] = []
         try:
             for reply in self._stub.Get(
-                request, timeout=self.timeout_s * max(1, len(hashes)), metadata=self._metadata
+                request, timeout=self._deadline(len(hashes)), metadata=self._metadata
             ):
                 blocks.append(reply.data)
         except grpc.RpcError as exc:
-            self._trouble("Get", exc, session, stateful=False)
+            self._failed("Get", exc, session)
         return blocks
 
     def stats(self) -> pb.StatsResponse | None:
@@ -283,195 +347,157 @@ class DaemonClient:
                 pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            self._trouble("Stats", exc, self._session, stateful=False)
+            self._failed("Stats", exc, None)
             return None
 
     # ---- internals ----
 
-    def _finish(self, method: str, slots: Sequence[int], take) -> bool:
-        """Hands slots back: to the daemon if they belong to the live session, else locally.
+    def _usable(self, counts: bool) -> str | None:
+        """The session to call on, or None (counted as a failure when ``counts``) when there
+        is none or the breaker is open."""
+        session = self._keeper.session
+        if session is None or not self.breaker.allow():
+            self.failures += counts
+            return None
+        return session
 
-        ``Commit`` waits for the daemon (the blocks are durable and readable when it returns)
-        and says whether it was confirmed. ``Release`` and ``Abort`` need no answer, so they
-        go out without waiting, keeping a round trip off the engine's path; a failure still
-        gives up the session, as for any call that changes slots.
-        """
+    def _deadline(self, blocks: int) -> float:
+        return self.timeout_s + blocks * self.block_bytes / (self.load_gbps * 1e9)
+
+    def _lookup_from(
+        self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
+    ) -> None:
+        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
+        chunk = hashes[start : start + self._keeper.limits.max_hashes]
+        request = pb.LookupRequest(session_id=session, hashes=_pack(chunk))
+        call = self._stub.Lookup.future(request, timeout=self.timeout_s, metadata=self._metadata)
+
+        def answered(call: grpc.Future) -> None:
+            try:
+                reply = call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    self._failed("Lookup", exc, session)
+                result.set_result(hits)
+                return
+            hits.host += reply.host
+            hits.disk += reply.disk
+            hits.remote += reply.remote
+            end = start + len(chunk)
+            if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
+                result.set_result(hits)
+            else:
+                self._lookup_from(session, hashes, end, hits, result)
+
+        call.add_done_callback(answered)
+
+    def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None:
+        """Hands slots back: to the daemon if they belong to the live session, else only
+        locally (the old session is gone and the daemon took its slots back)."""
         if not slots:
-            return True
+            return
         with self._lock:
             take(slots)
-            session = self._session
-        if session is None:
-            return False  # the old session is gone; the daemon already took its slots back
+            session = self._keeper.session
+        if session is not None:
+            step = self._keeper.limits.max_hashes
+            for start in range(0, len(slots), step):
+                self._send_later(method, session, slots[start : start + step])
+
+    def _send_later(
+        self, method: str, session: str, slots: Sequence[int], tolerate_gone: bool = False
+    ) -> None:
+        """Sends a Release or Abort without waiting for it; a failure gives the session up,
+        since the daemon's view of these slots is then unknown. ``tolerate_gone``: the slots
+        may be committed already (an abort repairing a commit), which is fine."""
         request = pb.SlotsRequest(session_id=session, slots=slots)
-        call = getattr(self._stub, method)
-        if method != "Commit":
-            future = call.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        future = getattr(self._stub, method).future(
+            request, timeout=self.timeout_s, metadata=self._metadata
+        )
+        with self._lock:
+            self._unsettled.append(future)
+
+        def settled(future: grpc.Future) -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._unsettled.remove(future)
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is None:
+                return
+            if tolerate_gone and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                return
+            self._failed(method, exc, session)
+            self._keeper.give_up(session, f"{method} failed ({exc.code().name})")
+
+        future.add_done_callback(settled)
+
+    def _canceller(self, session: str, call_id: int) -> Callable[[], None]:
+        """A repair for a Reserve or Acquire that failed: cancel it on the daemon."""
+
+        def cancel() -> None:
+            request = pb.CancelRequest(session_id=session, call_id=call_id)
+            future = self._stub.Cancel.future(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
             with self._lock:
                 self._unsettled.append(future)
-            future.add_done_callback(lambda f: self._settled(method, f, session))
-            return True
-        try:
-            call(request, timeout=self.commit_timeout_s, metadata=self._metadata)
-        except grpc.RpcError as exc:
-            self._trouble(method, exc, session, stateful=True)
-            return False
-        return True
 
-    def settle(self) -> None:
-        """Waits until the daemon has answered every release and abort sent without waiting.
+            def settled(future: grpc.Future) -> None:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._unsettled.remove(future)
+                if not future.cancelled() and future.exception() is not None:
+                    code = future.exception().code().name
+                    self._keeper.give_up(session, f"Cancel failed ({code})")
 
-        Reserve and acquire call it first, so that they see the room those made; failures are
-        handled by the calls' own callbacks.
-        """
-        with self._lock:
-            pending, self._unsettled = self._unsettled, []
-        for future in pending:
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                future.result()
+            future.add_done_callback(settled)
 
-    def _settled(self, method: str, future: grpc.Future, session: str) -> None:
-        """Callback of a call sent without waiting: failures count as for a waited call."""
-        with self._lock, contextlib.suppress(ValueError):
-            self._unsettled.remove(future)
-        if future.cancelled():
-            return
-        exc = future.exception()
-        if exc is not None:
-            self._trouble(method, exc, session, stateful=True)
+        return cancel
 
-    def _reserved_take(self, slots: Sequence[int]) -> None:
-        missing = [s for s in slots if s not in self._reserved]
-        if missing or len(set(slots)) != len(slots):
-            raise ValueError(f"slots {missing[:8] or list(slots)[:8]} are not reserved")
-        self._reserved.difference_update(slots)
-        self._changed.notify_all()
-
-    def _acquired_take(self, slots: Sequence[int]) -> None:
-        wanted = Counter(slots)
-        short = [s for s, n in wanted.items() if self._acquired[s] < n]
-        if short:
-            raise ValueError(f"slots {short[:8]} released more often than acquired")
-        self._acquired.subtract(wanted)
-        self._acquired = +self._acquired
-        self._changed.notify_all()
-
-    def _trouble(
-        self, method: str, exc: grpc.RpcError, session: str | None, *, stateful: bool
+    def _failed(
+        self,
+        method: str,
+        exc: grpc.RpcError,
+        session: str | None,
+        repair: Callable[[], None] | None = None,
     ) -> None:
-        """Counts a failed call; gives up the session when slots may be out of step."""
+        """Counts a failed call; opens the breaker if the daemon is not answering; repairs
+        what the call may have changed, or gives the session up if it is gone."""
         self.failures += 1
         code = exc.code()
-        lost = code in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.CANCELLED,
-        )
-        if not (stateful or lost) or session is None:
-            log.debug("kvtier %s failed (%r); treated as a miss", method, code)
-            return
-        with self._lock:
-            if self._session != session:
-                return
-            self._session = None
-            keepalive = self._keepalive
-            self._changed.notify_all()
-        log.warning(
-            "kvtier daemon %s: %s failed (%s: %s); misses until reconnected",
-            self.target,
-            method,
-            code.name,
-            exc.details(),
-        )
-        if keepalive is not None:
-            keepalive.cancel()  # ends the session on the daemon, which takes its slots back
+        if code in _TRIPS:
+            self.breaker.trip(f"{method} failed ({code.name})")
+        if code in _GONE:
+            self._keeper.give_up(session, f"{method} failed ({code.name}: {exc.details()})")
+        elif repair is not None and session is not None:
+            repair()
+        log.debug("kvtier %s failed (%r); treated as a miss", method, code)
 
-    def _maintain(self) -> None:
-        """Opens sessions and holds their keep-alive streams until ``close``."""
-        backoff = 0.05
-        while not self._closing.is_set():
-            with self._changed:
-                self._changed.wait_for(
-                    lambda: (
-                        self._closing.is_set()
-                        or (self._session is None and not self._reserved and not self._acquired)
-                    )
-                )
-            if self._closing.is_set():
-                return
-            try:
-                opened = self._open()
-            except grpc.RpcError as exc:
-                log.debug("kvtier daemon %s: Open failed (%r)", self.target, exc.code())
-                self._closing.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
-                continue
-            backoff = 0.05
-            self._hold(opened)
-
-    def _open(self) -> pb.OpenResponse:
-        request = pb.OpenRequest(
-            client_name=self.client_name,
-            layout_signature=self.layout_signature,
-            block_bytes=self.block_bytes,
-            block_tokens=self.block_tokens,
-            protocol_version=contract.PROTOCOL_VERSION,
-            **self._local_identity,
-        )
-        return self._stub.Open(request, timeout=self.timeout_s, metadata=self._metadata)
-
-    def _hold(self, opened: pb.OpenResponse) -> None:
-        """Publishes the session and blocks on its keep-alive stream until it breaks."""
-        if self.map_arena and opened.daemon_id != self._daemon_id:
-            # No slot is in use here (the loop waited for that), so re-mapping is safe.
-            try:
-                self._arena.map(opened.arena_path, opened.arena_bytes, opened.num_slots)
-            except (OSError, ValueError) as exc:
-                log.error(
-                    "kvtier daemon %s: cannot map its arena (%s); misses until fixed",
-                    self.target,
-                    exc,
-                )
-                with contextlib.suppress(grpc.RpcError):  # else its lease lapses
-                    self._stub.Close(
-                        pb.SessionRequest(session_id=opened.session_id),
-                        timeout=self.timeout_s,
-                        metadata=self._metadata,
-                    )
-                self._closing.wait(_MAX_BACKOFF_S)
-                return
-            self._daemon_id = opened.daemon_id
-        keepalive = self._stub.KeepAlive(
-            pb.SessionRequest(session_id=opened.session_id), metadata=self._metadata
-        )
-        with self._lock:
-            if self._closing.is_set():
-                keepalive.cancel()
-                return
-            self._session = opened.session_id
-            self._keepalive = keepalive
-            self._max_hashes = opened.max_hashes or contract.MAX_HASHES
-            self.sessions_opened += 1
-            self._changed.notify_all()
-        log.info(
-            "kvtier daemon %s: session %s open (%d slots)",
-            self.target,
-            opened.session_id[:8],
-            opened.num_slots,
-        )
+    def _probe(self) -> bool:
+        """Whether the daemon answers its health check now (closes the breaker)."""
         try:
-            for _ in keepalive:
-                pass
-            code = "stream ended"
-        except grpc.RpcError as exc:
-            code = exc.code().name
-        with self._lock:
-            if self._session == opened.session_id:
-                self._session = None
-                self.failures += 1
-                log.warning("kvtier daemon %s: session lost (%s); reconnecting", self.target, code)
-            self._keepalive = None
-            self._changed.notify_all()
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _chunks(
+    hashes: Sequence[BlockHash], metas: Sequence[bytes] | None, max_hashes: int
+) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most ``max_hashes`` hashes and ``RESERVE_META_BYTES`` metas."""
+    ranges, start, size = [], 0, 0
+    for i in range(len(hashes)):
+        meta = len(metas[i]) if metas else 0
+        if i > start and (i - start >= max_hashes or size + meta > RESERVE_META_BYTES):
+            ranges.append((start, i))
+            start, size = i, 0
+        size += meta
+    if start < len(hashes):
+        ranges.append((start, len(hashes)))
+    return ranges
 
 
 def _pack(hashes: Sequence[BlockHash]) -> bytes:

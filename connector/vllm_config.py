@@ -40,9 +40,8 @@ class KVTierConfig:
     """Load hits between steps (the request waits in ``WAITING_FOR_REMOTE_KVS``); ``false``
     loads them in the step that computes the rest of the prompt."""
     timeout_s: float = 2.0
-    """Deadline of every daemon call but commit; a late answer counts as a miss."""
-    commit_timeout_s: float = 10.0
-    """Deadline of a commit, which waits for the daemon's disk tier to make blocks durable."""
+    """Deadline of every daemon call (an acquire gets more per byte it may read from disk);
+    a late answer counts as a miss, and opens a circuit breaker until the daemon answers."""
     connect_wait_s: float = 5.0
     """How long start-up waits for the first daemon session (0: do not wait). Without a
     session every lookup is a miss; the client keeps reconnecting in the background."""
@@ -55,9 +54,8 @@ class KVTierConfig:
                 f"kv_connector_extra_config.store_policy must be one of {STORE_POLICIES}, "
                 f"got {self.store_policy!r}"
             )
-        for name in ("timeout_s", "commit_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"kv_connector_extra_config.{name} must be positive")
+        if self.timeout_s <= 0:
+            raise ValueError("kv_connector_extra_config.timeout_s must be positive")
         if self.connect_wait_s < 0:
             raise ValueError("kv_connector_extra_config.connect_wait_s must be >= 0")
         if self.min_hit_blocks < 1:
@@ -99,7 +97,6 @@ class KVTierConfig:
             token=self.token(),
             client_name=name,
             timeout_s=self.timeout_s,
-            commit_timeout_s=self.commit_timeout_s,
             map_arena=map_arena,
         )
 

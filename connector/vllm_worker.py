@@ -228,7 +228,7 @@ class WorkerSide:
             parents += unpack(spec.parents[self.rank])
             block_ids += spec.block_ids
             owners += [spec.req_id] * len(mine)
-        slots = self.client.reserve(hashes, parents)
+        slots = self.client.reserve(hashes)
         picked = [i for i, slot in enumerate(slots) if slot >= 0]
         deduped = sum(1 for slot in slots if slot == ALREADY_STORED)
         self.stats.add("deduplicated_blocks", deduped)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HASH_BYTES = 16
 DEFAULT_NAME = "default"
 MAX_HASHES = 65536
 """Most hashes or slots one call may carry (a 1 MiB packed ``hashes`` field)."""
+MIN_BLOCK_BYTES = 4096
+"""Smallest block a daemon accepts: it bounds the number of slots (and their state) per arena."""
 MAX_MESSAGE_BYTES = 256 << 20
 """gRPC message bound on both ends: one block of a large model must fit a ``Put``/``Get``."""
 TOKEN_METADATA_KEY = "authorization"

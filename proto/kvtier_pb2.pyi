@@ -35,7 +35,7 @@ class OpenRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes")
+    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,8 @@ class OpenResponse(_message.Message):
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    MAX_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_id: str
     arena_path: str
@@ -52,7 +54,9 @@ class OpenResponse(_message.Message):
     slot_bytes: int
     lease_ms: int
     max_hashes: int
-    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ...) -> None: ...
+    max_reserved: int
+    max_acquired: int
+    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -83,22 +87,26 @@ class LookupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("host", "disk")
+    __slots__ = ("host", "disk", "remote")
     HOST_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     host: int
     disk: int
-    def __init__(self, host: _Optional[int] = ..., disk: _Optional[int] = ...) -> None: ...
+    remote: int
+    def __init__(self, host: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "parent_hashes")
+    __slots__ = ("session_id", "hashes", "metas", "call_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
-    PARENT_HASHES_FIELD_NUMBER: _ClassVar[int]
+    METAS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: bytes
-    parent_hashes: bytes
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., parent_hashes: _Optional[bytes] = ...) -> None: ...
+    metas: _containers.RepeatedScalarFieldContainer[bytes]
+    call_id: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., metas: _Optional[_Iterable[bytes]] = ..., call_id: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("slots",)
@@ -120,39 +128,53 @@ class SlotsResponse(_message.Message):
     count: int
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
-class CommitResponse(_message.Message):
-    __slots__ = ("count", "durable")
-    COUNT_FIELD_NUMBER: _ClassVar[int]
-    DURABLE_FIELD_NUMBER: _ClassVar[int]
-    count: int
-    durable: bool
-    def __init__(self, count: _Optional[int] = ..., durable: _Optional[bool] = ...) -> None: ...
-
 class AcquireRequest(_message.Message):
-    __slots__ = ("session_id", "hashes")
+    __slots__ = ("session_id", "hashes", "call_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: bytes
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ...) -> None: ...
+    call_id: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., call_id: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("slots",)
+    __slots__ = ("slots", "host", "disk", "remote")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    host: int
+    disk: int
+    remote: int
+    def __init__(self, slots: _Optional[_Iterable[int]] = ..., host: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("session_id", "call_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: int
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[int] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("returned",)
+    RETURNED_FIELD_NUMBER: _ClassVar[int]
+    returned: int
+    def __init__(self, returned: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("session_id", "hash", "parent_hash", "data")
+    __slots__ = ("session_id", "hash", "meta", "data")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
-    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hash: bytes
-    parent_hash: bytes
+    meta: bytes
     data: bytes
-    def __init__(self, session_id: _Optional[str] = ..., hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., hash: _Optional[bytes] = ..., meta: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "already_stored", "no_space")
@@ -185,7 +207,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "query_tokens", "hit_tokens", "blocks_stored", "blocks_loaded", "blocks_evicted", "blocks_spilled", "blocks_promoted", "blocks_deduplicated", "bytes_in", "bytes_out", "checksum_failures", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "blocks_dropped", "other")
+    __slots__ = ("tier", "query_tokens", "hit_tokens", "blocks_stored", "blocks_loaded", "blocks_evicted", "blocks_spilled", "blocks_promoted", "blocks_deduplicated", "bytes_in", "bytes_out", "checksum_failures", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "blocks_dropped", "other", "layout")
     class OtherEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +233,7 @@ class TierStats(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     OTHER_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     tier: str
     query_tokens: int
     hit_tokens: int
@@ -229,34 +252,65 @@ class TierStats(_message.Message):
     capacity_bytes: int
     blocks_dropped: int
     other: _containers.ScalarMap[str, int]
-    def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    layout: str
+    def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class LayoutStats(_message.Message):
+    __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WRITING_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    slot_bytes: int
+    num_slots: int
+    arena_path: str
+    disk: str
+    sessions: int
+    reserved_slots: int
+    acquired_slots: int
+    quarantined_slots: int
+    writing_behind: int
+    def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "layout_signature", "slot_bytes", "uptime_s", "events_dropped")
+    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRED_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
-    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     EVENTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WATCHERS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     sessions: int
     reserved_slots: int
     acquired_slots: int
-    layout_signature: str
-    slot_bytes: int
     uptime_s: float
     events_dropped: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., layout_signature: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
+    quarantined_slots: int
+    watchers: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., quarantined_slots: _Optional[int] = ..., watchers: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("layout_signature", "replay")
+    LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
+    layout_signature: bytes
+    replay: bool
+    def __init__(self, layout_signature: _Optional[bytes] = ..., replay: _Optional[bool] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("kind", "tier", "hash", "parent_hash")
+    __slots__ = ("kind", "tier", "hash", "meta", "layout_signature")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
@@ -268,15 +322,19 @@ class BlockEvent(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     HASH_FIELD_NUMBER: _ClassVar[int]
-    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    META_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     kind: BlockEvent.Kind
     tier: str
     hash: bytes
-    parent_hash: bytes
-    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., tier: _Optional[str] = ..., hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ...) -> None: ...
+    meta: bytes
+    layout_signature: bytes
+    def __init__(self, kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., tier: _Optional[str] = ..., hash: _Optional[bytes] = ..., meta: _Optional[bytes] = ..., layout_signature: _Optional[bytes] = ...) -> None: ...
 
 class BlockEvents(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "replay_done")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DONE_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+    replay_done: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., replay_done: _Optional[bool] = ...) -> None: ...

@@ -62,7 +62,7 @@ class KvTierStub:
         self.Commit = channel.unary_unary(
                 '/kvtier.v1.KvTier/Commit',
                 request_serializer=kvtier__pb2.SlotsRequest.SerializeToString,
-                response_deserializer=kvtier__pb2.CommitResponse.FromString,
+                response_deserializer=kvtier__pb2.SlotsResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvtier.v1.KvTier/Abort',
@@ -78,6 +78,11 @@ class KvTierStub:
                 '/kvtier.v1.KvTier/Release',
                 request_serializer=kvtier__pb2.SlotsRequest.SerializeToString,
                 response_deserializer=kvtier__pb2.SlotsResponse.FromString,
+                _registered_method=True)
+        self.Cancel = channel.unary_unary(
+                '/kvtier.v1.KvTier/Cancel',
+                request_serializer=kvtier__pb2.CancelRequest.SerializeToString,
+                response_deserializer=kvtier__pb2.CancelResponse.FromString,
                 _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvtier.v1.KvTier/Put',
@@ -127,7 +132,7 @@ class KvTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """The contiguous prefix of `hashes` the host and disk tiers hold, split per tier.
+        """The contiguous prefix of `hashes` the node's tiers hold, split per tier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,7 +146,7 @@ class KvTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Makes reserved slots readable; with a disk tier they are durable when this returns.
+        """Makes reserved slots readable at once; the disk (and remote) writes happen behind it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,7 +159,7 @@ class KvTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Acquire(self, request, context):
-        """Slots holding the blocks (a prefix of `hashes`), disk hits promoted into host slots first.
+        """Slots holding the blocks (a prefix of `hashes`), disk and remote hits promoted first.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -162,6 +167,14 @@ class KvTierServicer:
 
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Cancel(self, request, context):
+        """Gives back what a Reserve or Acquire the client stopped waiting for took (now, or when
+        that call finishes), so a call that outlived its deadline leaks nothing.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -181,14 +194,14 @@ class KvTierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Every counter of every tier. Needs no session.
+        """Every counter of every tier of every layout. Needs no session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Block stored/removed events, batched, for cache-aware routers. Needs no session.
+        """Block stored/removed events per tier, batched, for cache-aware routers. Needs no session.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -225,7 +238,7 @@ def add_KvTierServicer_to_server(servicer, server):
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
                     request_deserializer=kvtier__pb2.SlotsRequest.FromString,
-                    response_serializer=kvtier__pb2.CommitResponse.SerializeToString,
+                    response_serializer=kvtier__pb2.SlotsResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -241,6 +254,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvtier__pb2.SlotsRequest.FromString,
                     response_serializer=kvtier__pb2.SlotsResponse.SerializeToString,
+            ),
+            'Cancel': grpc.unary_unary_rpc_method_handler(
+                    servicer.Cancel,
+                    request_deserializer=kvtier__pb2.CancelRequest.FromString,
+                    response_serializer=kvtier__pb2.CancelResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -424,7 +442,7 @@ class KvTier:
             target,
             '/kvtier.v1.KvTier/Commit',
             kvtier__pb2.SlotsRequest.SerializeToString,
-            kvtier__pb2.CommitResponse.FromString,
+            kvtier__pb2.SlotsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -506,6 +524,33 @@ class KvTier:
             '/kvtier.v1.KvTier/Release',
             kvtier__pb2.SlotsRequest.SerializeToString,
             kvtier__pb2.SlotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Cancel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Cancel',
+            kvtier__pb2.CancelRequest.SerializeToString,
+            kvtier__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,

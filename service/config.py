@@ -64,6 +64,15 @@ class DaemonConfig:
     lease_s: float = 30.0
     max_hashes: int = contract.MAX_HASHES
     grace_s: float = 5.0
+    flush_interval_s: float = 1.0
+    """Most time a committed block waits before the disk writer makes it durable."""
+    max_layouts: int = 8
+    """Layouts (models) served at once; each has its own host_bytes arena and disk_bytes."""
+    max_sessions: int = 1024
+    max_watchers: int = 64
+    """WatchEvents subscribers at once."""
+    session_slot_share: float = 0.5
+    """Most of a layout's slots one session may hold reserved, and as many acquired."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
@@ -76,6 +85,13 @@ class DaemonConfig:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
         if not 1 <= self.max_hashes <= contract.MAX_HASHES:
             raise ValueError(f"max_hashes must be in 1..{contract.MAX_HASHES}")
+        if self.flush_interval_s <= 0:
+            raise ValueError(f"flush_interval_s must be positive, got {self.flush_interval_s}")
+        for name in ("max_layouts", "max_sessions", "max_watchers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 < self.session_slot_share <= 1:
+            raise ValueError(f"session_slot_share must be in (0, 1], got {self.session_slot_share}")
 
     @property
     def socket_path(self) -> Path:
@@ -148,6 +164,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stats-host", help="statistics HTTP address (default 127.0.0.1)")
     add("--stats-port", type=int, help="statistics HTTP port; 0 = any, -1 = off (default 9477)")
     add("--lease-s", type=float, help="session lease without keep-alive, seconds (default 30)")
+    add(
+        "--flush-interval-s",
+        type=float,
+        help="most seconds a committed block waits to be made durable on disk (default 1)",
+    )
+    add(
+        "--max-layouts", type=int, help=f"models (layouts) served at once (default {d.max_layouts})"
+    )
+    add("--max-sessions", type=int, help=f"client sessions at once (default {d.max_sessions})")
+    add("--max-watchers", type=int, help=f"WatchEvents subscribers (default {d.max_watchers})")
+    add(
+        "--session-slot-share",
+        type=float,
+        help="most of a layout's slots one session may hold reserved or acquired (default 0.5)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> DaemonConfig:

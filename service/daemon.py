@@ -1,9 +1,9 @@
 """The daemon's operations as plain functions of plain values: sessions, leases, the store.
 
 The gRPC servicer translates messages into these calls and their exceptions into status codes;
-the logic — who owns which slot, what a session gives back when it ends — lives here and in
-``sessions``/``store``. Methods marked blocking may read or write the disk tier and are run off
-the event loop by the servicer.
+the logic — who owns which slot, how much one session may hold, what a session gives back when
+it ends — lives here and in ``sessions``/``store``. Methods marked blocking may read the disk
+or the network and are run off the event loop by the servicer.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
+from kvtier.service.layout_store import LayoutStore
 from kvtier.service.liveness import process_gone
-from kvtier.service.sessions import Leftovers, Session, SessionError, SessionTable
+from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
 from kvtier.service.wire import check_hash, invalid
-from kvtier.tiers.host import LowerHits
+from kvtier.tiers.host import MAX_META_BYTES
+from kvtier.tiers.lower import NO_SPACE, LowerHits
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,9 @@ QUARANTINE_S = 10.0
 @dataclass(frozen=True, slots=True)
 class Opened:
     session: Session
-    num_slots: int
-    slot_bytes: int
+    store: LayoutStore
+    max_reserved: int
+    max_acquired: int
 
 
 class Daemon:
@@ -43,7 +46,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig, store: BlockStore):
         self.config = config
         self.store = store
-        self.sessions = SessionTable(config.lease_s)
+        self.events = store.events
+        self.sessions = SessionTable(config.lease_s, config.max_sessions)
         self.daemon_id = uuid.uuid4().hex
         self._quarantine: list[tuple[float, Leftovers]] = []
         self._quarantine_lock = threading.Lock()
@@ -58,9 +62,12 @@ class Daemon:
         block_bytes: int,
         block_tokens: int,
         protocol_version: int,
+        *,
+        peer: str = "",
         client_pid: int = 0,
         client_pid_ns: int = 0,
     ) -> Opened:
+        """Blocking: the first Open of a layout creates its arena and opens its disk tier."""
         if protocol_version != PROTOCOL_VERSION:
             raise invalid(
                 f"protocol version {protocol_version}; this daemon speaks {PROTOCOL_VERSION}"
@@ -69,19 +76,36 @@ class Daemon:
             raise invalid(f"layout_signature is {len(signature)} bytes, must be 16")
         if block_bytes <= 0:
             raise invalid("block_bytes must be positive")
-        self.store.open_layout(signature, block_bytes)
-        session = self.sessions.open(client_name[:128], block_tokens, client_pid, client_pid_ns)
-        log.info("session %s opened by %r", session.session_id[:8], session.client_name)
-        return Opened(session, self.store.num_slots, self.store.block_bytes)
+        store = self.store.open_layout(signature, block_bytes)
+        session = self.sessions.open(
+            client_name[:128],
+            signature,
+            block_tokens,
+            peer=peer,
+            client_pid=client_pid,
+            client_pid_ns=client_pid_ns,
+        )
+        log.info(
+            "session %s opened by %r for layout %s",
+            session.session_id[:8],
+            session.client_name,
+            signature.hex()[:12],
+        )
+        quota = self.slot_quota(store)
+        return Opened(session, store, quota, quota)
 
-    def close(self, session_id: str) -> Leftovers:
-        left = self.sessions.close(session_id)
+    def slot_quota(self, store: LayoutStore) -> int:
+        """Most slots one session may hold reserved (and, separately, acquired)."""
+        return max(1, int(store.num_slots * self.config.session_slot_share))
+
+    def close(self, session_id: str, peer: str = "") -> Leftovers:
+        left = self.sessions.close(session_id, peer)
         self._give_back(left)
         log.info("session %s closed", session_id[:8])
         return left
 
-    def attach(self, session_id: str) -> None:
-        self.sessions.attach(session_id)
+    def attach(self, session_id: str, peer: str = "") -> None:
+        self.sessions.attach(session_id, peer)
 
     def detach(self, session_id: str) -> None:
         """The keep-alive stream ended: the session ends with it."""
@@ -122,81 +146,154 @@ class Daemon:
             held, self._quarantine = self._quarantine, []
         for _, left in held:
             self._give_back(left)
-        self._give_back(self.sessions.close_all())
+        for left in self.sessions.close_all():
+            self._give_back(left)
         self.store.close()
 
     # ---- blocks ----
 
-    def lookup(self, session_id: str, hashes: Sequence[bytes]) -> LowerHits:
-        session = self.sessions.get(session_id)
-        return self.store.lookup(hashes, session.block_tokens)
+    def lookup(self, session_id: str, hashes: Sequence[bytes], peer: str = "") -> LowerHits:
+        """Blocking when the remote tier is asked."""
+        session = self.sessions.get(session_id, peer)
+        return self._store(session).lookup(hashes, session.block_tokens)
 
-    def reserve(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
-        self.sessions.get(session_id)
+    def reserve(
+        self,
+        session_id: str,
+        hashes: Sequence[bytes],
+        metas: Sequence[bytes] = (),
+        call_id: int = 0,
+        peer: str = "",
+    ) -> list[int]:
+        """Slots for the hashes, within the session's quota (beyond it: ``NO_SPACE``)."""
         if len(set(hashes)) != len(hashes):
             raise invalid("Reserve names the same hash twice")
-        slots = self.store.reserve(hashes)
+        if metas and len(metas) != len(hashes):
+            raise invalid(f"{len(metas)} metas for {len(hashes)} hashes")
+        if any(len(m) > MAX_META_BYTES for m in metas):
+            raise invalid(f"a block's meta may be at most {MAX_META_BYTES} bytes")
+        session = self.sessions.begin_call(session_id, call_id, peer)
+        store = self._store(session)
+        room = max(0, self.slot_quota(store) - len(session.reserved))
+        slots = store.reserve(hashes[:room], metas[:room])
+        slots += [NO_SPACE] * (len(hashes) - len(slots))
         taken = [s for s in slots if s >= 0]
-        if not self.sessions.add_reserved(session_id, taken):
-            self.store.abort(taken)
-            raise SessionError(f"session {session_id!r:.40} ended during Reserve")
+        if not self.sessions.end_call(session_id, call_id, RESERVE, taken):
+            store.abort(taken)
+            return [NO_SPACE] * len(hashes)
         return slots
 
-    def commit(self, session_id: str, slots: Sequence[int]) -> bool:
-        """Blocking: with a disk tier the blocks are durable when this returns True."""
-        self.sessions.take_reserved(session_id, slots)
-        return self.store.commit(slots)
+    def commit(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
+        session = self.sessions.take_reserved(session_id, slots, peer)
+        self._store(session).commit(slots)
 
-    def abort(self, session_id: str, slots: Sequence[int]) -> None:
-        self.sessions.take_reserved(session_id, slots)
-        self.store.abort(slots)
+    def abort(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
+        session = self.sessions.take_reserved(session_id, slots, peer)
+        self._store(session).abort(slots)
 
-    def acquire(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
-        """Blocking: may promote disk hits into host slots."""
-        self.sessions.get(session_id)
-        slots = self.store.acquire(hashes)
-        if not self.sessions.add_acquired(session_id, slots):
-            self.store.release(slots)
-            raise SessionError(f"session {session_id!r:.40} ended during Acquire")
-        return slots
+    def acquire(
+        self, session_id: str, hashes: Sequence[bytes], call_id: int = 0, peer: str = ""
+    ) -> tuple[list[int], LowerHits]:
+        """Blocking: may promote disk hits into host slots. Within the session's quota."""
+        session = self.sessions.begin_call(session_id, call_id, peer)
+        store = self._store(session)
+        room = max(0, self.slot_quota(store) - session.acquired.total())
+        slots, sources = store.acquire(hashes[:room])
+        if not self.sessions.end_call(session_id, call_id, ACQUIRE, slots):
+            store.release(slots)
+            return [], LowerHits()
+        return slots, sources
 
-    def release(self, session_id: str, slots: Sequence[int]) -> None:
-        self.sessions.take_acquired(session_id, slots)
-        self.store.release(slots)
+    def release(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
+        session = self.sessions.take_acquired(session_id, slots, peer)
+        self._store(session).release(slots)
 
-    def put(self, session_id: str, block_hash: bytes, data: bytes) -> int:
+    def cancel(self, session_id: str, call_id: int, peer: str = "") -> int:
+        """Gives back what the call took (now, or when it finishes); returns slots given now."""
+        session = self.sessions.get(session_id, peer)
+        kind, slots = self.sessions.cancel(session_id, call_id, peer)
+        if slots:
+            self._give_back(
+                Leftovers(
+                    session.layout,
+                    slots if kind == RESERVE else [],
+                    slots if kind == ACQUIRE else [],
+                )
+            )
+        return len(slots)
+
+    def put(
+        self, session_id: str, block_hash: bytes, meta: bytes, data: bytes, peer: str = ""
+    ) -> int:
         """Blocking: stores one block sent as bytes; 1 or a ``reserve`` code."""
-        self.sessions.get(session_id)
+        session = self.sessions.get(session_id, peer)
+        store = self._store(session)
         check_hash(block_hash)
-        if len(data) != self.store.block_bytes:
-            raise invalid(f"block data is {len(data)} bytes, must be {self.store.block_bytes}")
-        return self.store.put_block(block_hash, data)
+        if len(meta) > MAX_META_BYTES:
+            raise invalid(f"a block's meta may be at most {MAX_META_BYTES} bytes")
+        if len(data) != store.block_bytes:
+            raise invalid(f"block data is {len(data)} bytes, must be {store.block_bytes}")
+        return store.put_block(block_hash, meta, data)
 
-    def get(self, session_id: str, hashes: Sequence[bytes]) -> list[bytes]:
+    def get(self, session_id: str, hashes: Sequence[bytes], peer: str = "") -> list[bytes]:
         """Blocking: copies of the held prefix of ``hashes``; slots are released at once."""
-        self.sessions.get(session_id)
-        slots = self.store.acquire(hashes)
+        session = self.sessions.get(session_id, peer)
+        store = self._store(session)
+        slots, _ = store.acquire(hashes)
         try:
-            return [self.store.read_slot(slot) for slot in slots]
+            return [store.read_slot(slot) for slot in slots]
         finally:
-            self.store.release(slots)
+            store.release(slots)
 
     # ---- statistics ----
 
     def stats(self) -> dict:
         """A snapshot of every counter, as plain values (for gRPC, JSON and Prometheus)."""
-        reserved, acquired = self.sessions.held()
-        store = self.store
+        with self._quarantine_lock:
+            held = list(self._quarantine)
+        tiers, layouts = [], []
+        for store in self.store.layouts():
+            sessions, reserved, acquired = self.sessions.held(store.signature)
+            quarantined = sum(
+                len(left.reserved) + len(left.acquired)
+                for _, left in held
+                if left.layout == store.signature
+            )
+            for counters in store.tier_counters():
+                tiers.append({**counters.as_dict(), "layout": store.hex})
+            layouts.append(
+                {
+                    "layout": store.hex,
+                    "slot_bytes": store.block_bytes,
+                    "num_slots": store.num_slots,
+                    "arena_path": str(store.arena.path),
+                    "disk": store.disk_state,
+                    "sessions": sessions,
+                    "reserved_slots": reserved,
+                    "acquired_slots": acquired,
+                    "quarantined_slots": quarantined,
+                    "writing_behind": store.host.writing_behind,
+                }
+            )
+        sessions, reserved, acquired = self.sessions.held()
         return {
-            "tiers": [c.as_dict() for c in store.counters()],
-            "sessions": len(self.sessions),
+            "tiers": tiers,
+            "layouts": layouts,
+            "sessions": sessions,
             "reserved_slots": reserved,
             "acquired_slots": acquired,
-            "layout_signature": store.signature.hex() if store.signature else "",
-            "slot_bytes": store.block_bytes,
+            "quarantined_slots": sum(layout["quarantined_slots"] for layout in layouts),
             "uptime_s": time.monotonic() - self._started,
-            "events_dropped": store.events.dropped,
+            "events_dropped": self.events.dropped,
+            "watchers": len(self.events),
         }
+
+    # ---- internals ----
+
+    def _store(self, session: Session) -> LayoutStore:
+        store = self.store.get(session.layout)
+        assert store is not None, "a session's layout outlives it"
+        return store
 
     def _give_back_after_loss(self, left: Leftovers) -> None:
         """Frees what a session that ended without ``Close`` held, once that is safe.
@@ -219,7 +316,10 @@ class Daemon:
             )
 
     def _give_back(self, left: Leftovers) -> None:
+        store = self.store.get(left.layout)
+        if store is None:
+            return
         if left.reserved:
-            self.store.abort(left.reserved)
+            store.abort(left.reserved)
         if left.acquired:
-            self.store.release(left.acquired)
+            store.release(left.acquired)

@@ -1,17 +1,19 @@
 """Fan-out of block stored/removed events to ``WatchEvents`` subscribers.
 
 The tiers report events from whatever thread changed them (the host tier under its lock, the
-disk tier from its writer thread); ``emit`` only hands them to the event loop. Each subscriber
-has a bounded queue: a router too slow to keep up loses events (counted in ``dropped``) rather
-than holding memory or slowing the tiers; ``None`` in a queue means the hub closed. Parent
-hashes come from ``Reserve``/``Put`` callers that sent them and are kept in a bounded map.
+disk tier from its writer thread); ``emit`` only appends them to a buffer and wakes the event
+loop once per burst, so the tiers pay a deque append per event however many routers listen.
+The loop hands each burst to every subscriber whose layout filter matches, into a bounded
+queue: a router too slow to keep up loses events (counted in ``dropped``) rather than holding
+memory or slowing the tiers. ``None`` in a queue means the hub closed. At most
+``max_subscribers`` watch at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
-from collections.abc import Sequence
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 STORED, REMOVED = "stored", "removed"
@@ -22,57 +24,90 @@ class BlockEvent:
     kind: str
     tier: str
     hash: bytes
-    parent: bytes
+    meta: bytes
+    layout: bytes
+
+
+class TooManyWatchers(RuntimeError):
+    """Every watcher slot is taken."""
+
+
+class Subscription:
+    """One watcher's bounded queue and the layout it follows (None: every layout)."""
+
+    __slots__ = ("layout", "queue")
+
+    def __init__(self, layout: bytes | None, size: int):
+        self.layout = layout
+        self.queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue(size)
 
 
 class EventHub:
-    """Thread-safe producer side, asyncio consumer side, one bounded queue per subscriber."""
+    """Thread-safe producer side, asyncio consumer side."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, *, queue_size: int = 8192, max_parents: int = 1 << 20
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        queue_size: int = 8192,
+        max_subscribers: int = 64,
     ):
         self._loop = loop
         self._queue_size = queue_size
-        self._max_parents = max_parents
-        self._parents: OrderedDict[bytes, bytes] = OrderedDict()
-        self._subscribers: set[asyncio.Queue[BlockEvent | None]] = set()
+        self.max_subscribers = max_subscribers
+        self._subscribers: set[Subscription] = set()
+        self._pending: deque[BlockEvent] = deque()
+        self._pending_lock = threading.Lock()
+        self._wake_scheduled = False
         self._closed = False
         self.dropped = 0
 
-    def note_parents(self, hashes: Sequence[bytes], parents: Sequence[bytes]) -> None:
-        """Remembers each hash's parent for the events that name it (loop thread only)."""
-        for h, p in zip(hashes, parents, strict=True):
-            self._parents[h] = p
-            self._parents.move_to_end(h)
-        while len(self._parents) > self._max_parents:
-            self._parents.popitem(last=False)
+    def __len__(self) -> int:
+        return len(self._subscribers)
 
-    def emit(self, kind: str, tier: str, block_hash: bytes) -> None:
+    def emit(self, kind: str, tier: str, block_hash: bytes, meta: bytes, layout: bytes) -> None:
         """Called by the tiers from any thread; never blocks, never calls back into them."""
         if self._closed or not self._subscribers:
             return
-        self._loop.call_soon_threadsafe(self._deliver, kind, tier, block_hash)
+        with self._pending_lock:
+            self._pending.append(BlockEvent(kind, tier, block_hash, meta, layout))
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
+        self._loop.call_soon_threadsafe(self._deliver)
 
-    def subscribe(self) -> asyncio.Queue[BlockEvent | None]:
-        queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue(self._queue_size)
-        self._subscribers.add(queue)
-        return queue
+    def subscribe(self, layout: bytes | None) -> Subscription:
+        """A new watcher (loop thread only); ``TooManyWatchers`` past the cap."""
+        if len(self._subscribers) >= self.max_subscribers:
+            raise TooManyWatchers(
+                f"{len(self._subscribers)} watchers already follow this daemon (max_watchers)"
+            )
+        subscription = Subscription(layout, self._queue_size)
+        self._subscribers.add(subscription)
+        return subscription
 
-    def unsubscribe(self, queue: asyncio.Queue[BlockEvent | None]) -> None:
-        self._subscribers.discard(queue)
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self._subscribers.discard(subscription)
 
     def close(self) -> None:
         """Stops taking events and ends every subscriber's stream (loop thread only)."""
         self._closed = True
-        for queue in self._subscribers:
+        for subscription in self._subscribers:
+            queue = subscription.queue
             while queue.full():
                 queue.get_nowait()
             queue.put_nowait(None)
 
-    def _deliver(self, kind: str, tier: str, block_hash: bytes) -> None:
-        event = BlockEvent(kind, tier, block_hash, self._parents.get(block_hash, b""))
-        for queue in self._subscribers:
-            try:
-                queue.put_nowait(event)
-            except asyncio.QueueFull:
-                self.dropped += 1
+    def _deliver(self) -> None:
+        with self._pending_lock:
+            burst, self._pending = self._pending, deque()
+            self._wake_scheduled = False
+        for subscription in self._subscribers:
+            queue, layout = subscription.queue, subscription.layout
+            for event in burst:
+                if layout is not None and event.layout != layout:
+                    continue
+                try:
+                    queue.put_nowait(event)
+                except asyncio.QueueFull:
+                    self.dropped += 1

@@ -45,25 +45,32 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._snapshot()
+        labels = ["tier", "layout"]
         for field, (name, doc) in _COUNTERS.items():
-            family = CounterMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            family = CounterMetricFamily(f"kvtier_{name}", doc, labels=labels)
             for tier in stats["tiers"]:
-                family.add_metric([tier["tier"]], tier[field])
+                family.add_metric([tier["tier"], tier["layout"]], tier[field])
             yield family
         for field, (name, doc) in _GAUGES.items():
-            family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=["tier"])
+            family = GaugeMetricFamily(f"kvtier_{name}", doc, labels=labels)
             for tier in stats["tiers"]:
-                family.add_metric([tier["tier"]], tier[field])
+                family.add_metric([tier["tier"], tier["layout"]], tier[field])
             yield family
         # Counters added to TierCounters after this table still reach Prometheus.
-        newer = sorted({k for t in stats["tiers"] for k in t} - set(_COUNTERS) - set(_GAUGES))
-        for field in newer:
-            if field == "tier":
-                continue
-            family = GaugeMetricFamily(f"kvtier_{field}", f"TierCounters.{field}", labels=["tier"])
+        known = {"tier", "layout", *_COUNTERS, *_GAUGES}
+        for field in sorted({k for t in stats["tiers"] for k in t} - known):
+            family = GaugeMetricFamily(f"kvtier_{field}", f"TierCounters.{field}", labels=labels)
             for tier in stats["tiers"]:
-                family.add_metric([tier["tier"]], tier.get(field, 0))
+                family.add_metric([tier["tier"], tier["layout"]], tier.get(field, 0))
             yield family
+        writing = GaugeMetricFamily(
+            "kvtier_writing_behind_blocks",
+            "Committed blocks whose disk write has not finished",
+            labels=["layout"],
+        )
+        for layout in stats["layouts"]:
+            writing.add_metric([layout["layout"]], layout["writing_behind"])
+        yield writing
         yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
         yield GaugeMetricFamily(
             "kvtier_reserved_slots",
@@ -74,6 +81,14 @@ class StatsCollector(Collector):
             "kvtier_acquired_slots",
             "Host slot reads held by sessions",
             value=stats["acquired_slots"],
+        )
+        yield GaugeMetricFamily(
+            "kvtier_quarantined_slots",
+            "Host slots of lost live clients held before reuse",
+            value=stats["quarantined_slots"],
+        )
+        yield GaugeMetricFamily(
+            "kvtier_watchers", "WatchEvents subscribers", value=stats["watchers"]
         )
         yield CounterMetricFamily(
             "kvtier_events_dropped",

@@ -1,11 +1,11 @@
 """``kvtier serve``: the daemon's lifecycle in one place.
 
-Builds the shared-memory arena, the tiers behind it, the gRPC servers (a unix socket, mode
-0600, and TCP with a token only when asked), health checking, reflection and the statistics
-endpoint; logs where each listens; then serves until SIGTERM or SIGINT. Shutdown: health goes
-NOT_SERVING, keep-alive and event streams end, in-flight calls get ``grace_s`` to finish, every
-session's slots are given back, the disk writer flushes and LMDB closes — a restart finds every
-committed block.
+Builds the store (each layout's arena and tiers come with its first client), the gRPC servers
+(a unix socket, mode 0600, and TCP with a token only when asked), health checking, reflection
+and the statistics endpoint; logs where each listens; then serves until SIGTERM or SIGINT.
+Shutdown: health goes NOT_SERVING, keep-alive and event streams end, in-flight calls get
+``grace_s`` to finish, every session's slots are given back, the disk writers flush and LMDB
+closes — a restart finds every committed block.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.service import config as config_mod
-from kvtier.service.arena import Arena, ArenaError
+from kvtier.service.arena import ArenaError
 from kvtier.service.auth import TokenInterceptor
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
+from kvtier.service.handlers import add_servicer
 from kvtier.service.metrics import Metrics
 from kvtier.service.servicer import KvTierServicer
 from kvtier.service.stats_http import StatsServer
@@ -73,13 +73,8 @@ async def serve(config: DaemonConfig) -> None:
     socket_path = config.socket_path
     _prepare_socket(socket_path)
 
-    arena = Arena(config.arena_name, config.host_bytes)
-    events = EventHub(loop)
-    try:
-        store = BlockStore(config, arena, events)
-    except BaseException:
-        arena.close()
-        raise
+    events = EventHub(loop, max_subscribers=config.max_watchers)
+    store = BlockStore(config, events)
     daemon = Daemon(config, store)
     metrics = Metrics(daemon.stats)
     servicer = KvTierServicer(daemon, events, metrics, stopping)
@@ -103,13 +98,13 @@ async def serve(config: DaemonConfig) -> None:
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.create_task(_reap(daemon, config.lease_s))
-    disk = f"disk tier {config.disk_path}" if config.disk_bytes else "no disk tier"
+    disk = f"disk tiers under {config.disk_path}" if config.disk_bytes else "no disk tier"
     log.info(
-        "kvtier %r serving: %s; arena %s (%d B); %s",
+        "kvtier %r serving: %s; %d B of shared memory per layout (up to %d); %s",
         config.name,
         "; ".join(where),
-        arena.path,
-        arena.size,
+        config.host_bytes,
+        config.max_layouts,
         disk,
     )
     try:
@@ -122,9 +117,9 @@ async def serve(config: DaemonConfig) -> None:
         reaper.cancel()
         stopping.set()
         await asyncio.to_thread(daemon.shutdown)
+        servicer.close()
         if http is not None:
             http.close()
-        arena.close()
         socket_path.unlink(missing_ok=True)
         log.info("kvtier %r stopped; disk tier flushed and closed", config.name)
 
@@ -138,7 +133,7 @@ def _server(
         interceptors=[interceptor] if interceptor else None,
         options=contract.CHANNEL_OPTIONS,
     )
-    pb_grpc.add_KvTierServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (

@@ -1,10 +1,12 @@
 """The gRPC face of the daemon: messages in, plain calls to ``Daemon``, messages out.
 
 Refusals become status codes: a malformed argument ``INVALID_ARGUMENT``, too many hashes or
-slots ``OUT_OF_RANGE``, an unknown session ``NOT_FOUND``, a slot the caller does not hold
-``PERMISSION_DENIED``, a second layout ``FAILED_PRECONDITION``, a commit the disk tier could not
-make durable ``UNAVAILABLE``. Calls that may touch the disk (commit, acquire, put, get) run on
-worker threads; the rest are in-memory and answer straight from the event loop.
+slots ``OUT_OF_RANGE``, an unknown session ``NOT_FOUND``, a slot or session the caller does not
+hold ``PERMISSION_DENIED``, a layout the daemon cannot take ``FAILED_PRECONDITION``, a full
+daemon (sessions, watchers, shared memory, a too-large request) ``RESOURCE_EXHAUSTED``, a call
+that arrived after its own ``Cancel`` ``CANCELLED``. Work that may touch the disk or the
+network, or that scales with a large batch, runs on a pool of worker threads, so one client's
+heavy calls never hold up another's small ones on the event loop.
 """
 
 from __future__ import annotations
@@ -12,25 +14,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.service.arena import ArenaError
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import STORED, EventHub
+from kvtier.service.events import STORED, BlockEvent, EventHub, TooManyWatchers
+from kvtier.service.handlers import LogLimiter, Refused
 from kvtier.service.metrics import Metrics
-from kvtier.service.sessions import OwnershipError, SessionError
-from kvtier.service.store import LayoutMismatch, StoreUnavailable
+from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
+from kvtier.service.store import LayoutRefused
 from kvtier.service.wire import RequestError, check_hash, check_slots, split_hashes
+
+log = logging.getLogger(__name__)
 
 GET_CHUNK = 8
 """Blocks a ``Get`` holds at once: bounds the daemon's memory per stream."""
 WATCH_BATCH = 1024
+INLINE_BATCH = 256
+"""Batches up to this many hashes or slots are served on the event loop; larger go to a thread."""
+WORKERS = 8
 
-
+_CODES = {
+    SessionError: grpc.StatusCode.NOT_FOUND,
+    OwnershipError: grpc.StatusCode.PERMISSION_DENIED,
+    LayoutRefused: grpc.StatusCode.FAILED_PRECONDITION,
+    SessionLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    TooManyWatchers: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ArenaError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    CallCancelled: grpc.StatusCode.CANCELLED,
+}
+_REFUSALS = (RequestError, *_CODES)
 _TIER_FIELDS = frozenset(pb.TierStats.DESCRIPTOR.fields_by_name) - {"other"}
 
 
@@ -41,25 +61,23 @@ def _tier_stats(counters: dict) -> pb.TierStats:
     return pb.TierStats(**known, other=other)
 
 
-def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, RequestError):
         return exc.code, exc.message
-    code = {
-        SessionError: grpc.StatusCode.NOT_FOUND,
-        OwnershipError: grpc.StatusCode.PERMISSION_DENIED,
-        LayoutMismatch: grpc.StatusCode.FAILED_PRECONDITION,
-        StoreUnavailable: grpc.StatusCode.UNAVAILABLE,
-    }[type(exc)]
-    return code, str(exc)
+    return _CODES[type(exc)], str(exc)
 
 
-_REFUSALS = (RequestError, SessionError, OwnershipError, LayoutMismatch, StoreUnavailable)
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    """The TCP peer a session is bound to; "" on the unix socket, whose mode guards it."""
+    peer = context.peer() or ""
+    return peer if peer.startswith(("ipv4:", "ipv6:")) else ""
+
 
 Handler = Callable[["KvTierServicer", object, grpc.aio.ServicerContext], Awaitable[object]]
 
 
 def _unary(method: Handler) -> Handler:
-    """Times the call and turns refusals into status codes."""
+    """Times the call, answers a refused request, and turns refusals into status codes."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -67,9 +85,12 @@ def _unary(method: Handler) -> Handler:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
+            if isinstance(request, Refused):
+                raise RequestError(request.code, request.message, request.kind)
             return await method(self, request, context)
         except _REFUSALS as exc:
             code, message = _status(exc)
+            self.refused(context, exc, message)
             await context.abort(code, message)
         except BaseException:
             code = grpc.StatusCode.UNKNOWN
@@ -89,43 +110,66 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self.metrics = metrics
         self.stopping = stopping
         self.max = daemon.config.max_hashes
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
+        self._limiter = LogLimiter(log)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def refused(self, context: grpc.aio.ServicerContext, exc: BaseException, message: str) -> None:
+        """Logs a malformed or oversized request once per peer and kind (others are normal)."""
+        if isinstance(exc, RequestError) and exc.kind:
+            self._limiter.warn(context.peer() or "", exc.kind, message)
+
+    async def _run(self, fn: Callable[[], object], heavy: bool = True) -> object:
+        if not heavy:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     # ---- sessions ----
 
     @_unary
     async def Open(self, request: pb.OpenRequest, context) -> pb.OpenResponse:
-        opened = self.daemon.open(
-            request.client_name,
-            request.layout_signature,
-            request.block_bytes,
-            request.block_tokens,
-            request.protocol_version,
-            request.client_pid,
-            request.client_pid_ns,
+        opened = await self._run(
+            functools.partial(
+                self.daemon.open,
+                request.client_name,
+                request.layout_signature,
+                request.block_bytes,
+                request.block_tokens,
+                request.protocol_version,
+                peer=_peer(context),
+                client_pid=request.client_pid,
+                client_pid_ns=request.client_pid_ns,
+            )
         )
-        arena = self.daemon.store.arena
+        arena = opened.store.arena
         return pb.OpenResponse(
             session_id=opened.session.session_id,
             daemon_id=self.daemon.daemon_id,
             arena_path=str(arena.path),
             arena_bytes=arena.size,
-            num_slots=opened.num_slots,
-            slot_bytes=opened.slot_bytes,
+            num_slots=opened.store.num_slots,
+            slot_bytes=opened.store.block_bytes,
             lease_ms=int(self.daemon.config.lease_s * 1000),
             max_hashes=self.max,
+            max_reserved=opened.max_reserved,
+            max_acquired=opened.max_acquired,
         )
 
     @_unary
     async def Close(self, request: pb.SessionRequest, context) -> pb.CloseResponse:
-        left = self.daemon.close(request.session_id)
+        left = self.daemon.close(request.session_id, _peer(context))
         return pb.CloseResponse(aborted=len(left.reserved), released=len(left.acquired))
 
     async def KeepAlive(self, request: pb.SessionRequest, context) -> AsyncIterator:
+        if isinstance(request, Refused):
+            await context.abort(request.code, request.message)
         session_id = request.session_id
         try:
-            self.daemon.attach(session_id)
-        except SessionError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            self.daemon.attach(session_id, _peer(context))
+        except (SessionError, OwnershipError) as exc:
+            await context.abort(*_status(exc))
         lease_ms = int(self.daemon.config.lease_s * 1000)
         interval = self.daemon.config.lease_s / 3
         try:
@@ -141,48 +185,66 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @_unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        hits = self.daemon.lookup(request.session_id, split_hashes(request.hashes, self.max))
-        return pb.LookupResponse(host=hits.host, disk=hits.disk)
+        hashes = split_hashes(request.hashes, self.max)
+        hits = await self._run(
+            functools.partial(self.daemon.lookup, request.session_id, hashes, _peer(context)),
+            heavy=len(hashes) > INLINE_BATCH,
+        )
+        return pb.LookupResponse(host=hits.host, disk=hits.disk, remote=hits.remote)
 
     @_unary
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         hashes = split_hashes(request.hashes, self.max)
-        if request.parent_hashes:
-            parents = split_hashes(request.parent_hashes, self.max, "parent_hashes")
-            if len(parents) != len(hashes):
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{len(parents)} parent hashes for {len(hashes)} hashes",
-                )
-            self.events.note_parents(hashes, parents)
-        return pb.ReserveResponse(slots=self.daemon.reserve(request.session_id, hashes))
+        slots = await self._run(
+            functools.partial(
+                self.daemon.reserve,
+                request.session_id,
+                hashes,
+                list(request.metas),
+                request.call_id,
+                _peer(context),
+            ),
+            heavy=len(hashes) > INLINE_BATCH,
+        )
+        return pb.ReserveResponse(slots=slots)
 
     @_unary
-    async def Commit(self, request: pb.SlotsRequest, context) -> pb.CommitResponse:
+    async def Commit(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
-        if self.daemon.store.disk is None:  # nothing to wait for: answer from the loop
-            durable = self.daemon.commit(request.session_id, slots)
-        else:
-            durable = await asyncio.to_thread(self.daemon.commit, request.session_id, slots)
-        return pb.CommitResponse(count=len(slots), durable=durable)
+        await self._run(
+            functools.partial(self.daemon.commit, request.session_id, slots, _peer(context)),
+            heavy=len(slots) > INLINE_BATCH,
+        )
+        return pb.SlotsResponse(count=len(slots))
 
     @_unary
     async def Abort(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.abort(request.session_id, slots)
+        self.daemon.abort(request.session_id, slots, _peer(context))
         return pb.SlotsResponse(count=len(slots))
 
     @_unary
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
         hashes = split_hashes(request.hashes, self.max)
-        slots = await asyncio.to_thread(self.daemon.acquire, request.session_id, hashes)
-        return pb.AcquireResponse(slots=slots)
+        slots, sources = await self._run(
+            functools.partial(
+                self.daemon.acquire, request.session_id, hashes, request.call_id, _peer(context)
+            )
+        )
+        return pb.AcquireResponse(
+            slots=slots, host=sources.host, disk=sources.disk, remote=sources.remote
+        )
 
     @_unary
     async def Release(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.release(request.session_id, slots)
+        self.daemon.release(request.session_id, slots, _peer(context))
         return pb.SlotsResponse(count=len(slots))
+
+    @_unary
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        returned = self.daemon.cancel(request.session_id, request.call_id, _peer(context))
+        return pb.CancelResponse(returned=returned)
 
     # ---- blocks as bytes ----
 
@@ -190,12 +252,17 @@ class KvTierServicer(pb_grpc.KvTierServicer):
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
         response = pb.PutResponse()
         session_id = None
+        peer = _peer(context)
         async for message in request_iterator:
+            if isinstance(message, Refused):
+                raise RequestError(message.code, message.message, message.kind)
             session_id = session_id or message.session_id
             block_hash = check_hash(message.hash)
-            if message.parent_hash:
-                self.events.note_parents([block_hash], [check_hash(message.parent_hash, "parent")])
-            result = await asyncio.to_thread(self.daemon.put, session_id, block_hash, message.data)
+            result = await self._run(
+                functools.partial(
+                    self.daemon.put, session_id, block_hash, message.meta, message.data, peer
+                )
+            )
             if result > 0:
                 response.stored += 1
             elif result == pb.ALREADY_STORED:
@@ -205,15 +272,22 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         return response
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
+        peer = _peer(context)
         try:
+            if isinstance(request, Refused):
+                raise RequestError(request.code, request.message, request.kind)
             hashes = split_hashes(request.hashes, self.max)
-            self.daemon.sessions.get(request.session_id)
+            self.daemon.sessions.get(request.session_id, peer)
         except _REFUSALS as exc:
-            await context.abort(*_status(exc))
+            code, message = _status(exc)
+            self.refused(context, exc, message)
+            await context.abort(code, message)
         for i in range(0, len(hashes), GET_CHUNK):
             chunk = hashes[i : i + GET_CHUNK]
             try:
-                blocks = await asyncio.to_thread(self.daemon.get, request.session_id, chunk)
+                blocks = await self._run(
+                    functools.partial(self.daemon.get, request.session_id, chunk, peer)
+                )
             except _REFUSALS as exc:
                 await context.abort(*_status(exc))
             for block_hash, data in zip(chunk, blocks, strict=False):
@@ -226,25 +300,34 @@ class KvTierServicer(pb_grpc.KvTierServicer):
     @_unary
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = self.daemon.stats()
-        return pb.StatsResponse(tiers=[_tier_stats(t) for t in stats.pop("tiers")], **stats)
+        return pb.StatsResponse(
+            tiers=[_tier_stats(t) for t in stats.pop("tiers")],
+            layouts=[pb.LayoutStats(**layout) for layout in stats.pop("layouts")],
+            **stats,
+        )
 
     async def WatchEvents(self, request: pb.WatchRequest, context) -> AsyncIterator:
-        queue = self.events.subscribe()
         try:
+            if isinstance(request, Refused):
+                raise RequestError(request.code, request.message, request.kind)
+            layout = bytes(request.layout_signature) or None
+            if layout is not None and len(layout) != 16:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "layout_signature must be 16 bytes"
+                )
+            subscription = self.events.subscribe(layout)
+        except _REFUSALS as exc:
+            await context.abort(*_status(exc))
+        try:
+            if request.replay:
+                async for batch in self._replay(layout):
+                    yield batch
+            queue = subscription.queue
             while True:
                 event = await queue.get()
                 batch = []
                 while event is not None:
-                    batch.append(
-                        pb.BlockEvent(
-                            kind=pb.BlockEvent.STORED
-                            if event.kind == STORED
-                            else pb.BlockEvent.REMOVED,
-                            tier=event.tier,
-                            hash=event.hash,
-                            parent_hash=event.parent,
-                        )
-                    )
+                    batch.append(_event(event))
                     if len(batch) >= WATCH_BATCH or queue.empty():
                         break
                     event = queue.get_nowait()
@@ -253,7 +336,51 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 if event is None:
                     return
         finally:
-            self.events.unsubscribe(queue)
+            self.events.unsubscribe(subscription)
+
+    async def _replay(self, layout: bytes | None) -> AsyncIterator[pb.BlockEvents]:
+        """Announces what the tiers hold now, in batches; the last says ``replay_done``.
+
+        The caller subscribed first, so a block stored or removed meanwhile is also in its
+        live queue: a router may see a block announced twice, never miss one.
+        """
+        stores = [s for s in self.daemon.store.layouts() if layout in (None, s.signature)]
+        for store in stores:
+            after: bytes | None = None
+            while True:
+                found = await self._run(functools.partial(store.snapshot, after, WATCH_BATCH))
+                if not found:
+                    break
+                yield pb.BlockEvents(
+                    events=[
+                        pb.BlockEvent(
+                            kind=pb.BlockEvent.STORED,
+                            tier=tier,
+                            hash=block_hash,
+                            meta=meta,
+                            layout_signature=store.signature,
+                        )
+                        for tier, block_hash, meta in found
+                    ]
+                )
+                disk = [h for tier, h, _ in found if tier != "host"]
+                if not disk:
+                    break
+                after = disk[-1]
+        yield pb.BlockEvents(replay_done=True)
 
     def _slots(self, request: pb.SlotsRequest) -> list[int]:
-        return check_slots(request.slots, self.daemon.store.num_slots, self.max)
+        return check_slots(request.slots, self._max_slots(), self.max)
+
+    def _max_slots(self) -> int:
+        return max((s.num_slots for s in self.daemon.store.layouts()), default=0)
+
+
+def _event(event: BlockEvent) -> pb.BlockEvent:
+    return pb.BlockEvent(
+        kind=pb.BlockEvent.STORED if event.kind == STORED else pb.BlockEvent.REMOVED,
+        tier=event.tier,
+        hash=event.hash,
+        meta=event.meta,
+        layout_signature=event.layout,
+    )

@@ -7,6 +7,11 @@ aborted and its acquisitions released, so a vanished client leaks nothing and no
 half-written is ever readable. Ownership is checked before any slot operation, so a client can
 never commit, abort or release a slot another session holds.
 
+Calls that hand out slots (Reserve, Acquire) carry a client-chosen call id. A client that
+stops waiting for one (its deadline passed) sends ``Cancel`` with that id: the slots the call
+took come back now, or as soon as the call finishes, so a slow call costs a miss, never a
+leak, and the rest of the session goes on.
+
 Operations take their slots out of the table first and only then act on the tier, so a session
 that ends at the same moment can never give the same slot back twice.
 """
@@ -16,9 +21,15 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+RESERVE, ACQUIRE = "reserve", "acquire"
+_RECENT_CALLS = 256
+"""Finished calls per session that ``Cancel`` can still undo."""
+_CANCELLED_IDS = 1024
+"""Cancelled ids per session remembered, so a call that arrives after its Cancel does nothing."""
 
 
 class SessionError(LookupError):
@@ -29,24 +40,39 @@ class OwnershipError(PermissionError):
     """A slot named in a call is not held by the calling session in the needed way."""
 
 
+class SessionLimit(RuntimeError):
+    """Too many sessions are open."""
+
+
+class CallCancelled(RuntimeError):
+    """The client cancelled this call before it ran."""
+
+
 @dataclass(slots=True)
 class Session:
     session_id: str
     client_name: str
+    layout: bytes
     block_tokens: int
     deadline: float
+    peer: str = ""
+    """The TCP peer that opened the session; calls from another connection are refused."""
     reserved: set[int] = field(default_factory=set)
     acquired: Counter[int] = field(default_factory=Counter)
     streams: int = 0
     """Keep-alive streams open; a session with one never lapses."""
     client_pid: int = 0
     client_pid_ns: int = 0
+    running: set[int] = field(default_factory=set)
+    recent: OrderedDict[int, tuple[str, list[int]]] = field(default_factory=OrderedDict)
+    cancelled: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
 
 @dataclass(slots=True)
 class Leftovers:
     """What an ended session still held: abort the reservations, release the acquisitions."""
 
+    layout: bytes
     reserved: list[int]
     acquired: list[int]
     client_pid: int = 0
@@ -56,8 +82,9 @@ class Leftovers:
 class SessionTable:
     """Thread-safe sessions with lease deadlines on a monotonic clock."""
 
-    def __init__(self, lease_s: float, clock=time.monotonic):
+    def __init__(self, lease_s: float, max_sessions: int = 1 << 30, clock=time.monotonic):
         self.lease_s = lease_s
+        self.max_sessions = max_sessions
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
@@ -67,36 +94,49 @@ class SessionTable:
             return len(self._sessions)
 
     def open(
-        self, client_name: str, block_tokens: int, client_pid: int = 0, client_pid_ns: int = 0
+        self,
+        client_name: str,
+        layout: bytes,
+        block_tokens: int,
+        *,
+        peer: str = "",
+        client_pid: int = 0,
+        client_pid_ns: int = 0,
     ) -> Session:
         session = Session(
             secrets.token_hex(16),
             client_name,
+            layout,
             block_tokens,
             self._clock() + self.lease_s,
+            peer=peer,
             client_pid=client_pid,
             client_pid_ns=client_pid_ns,
         )
         with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionLimit(
+                    f"{len(self._sessions)} sessions are open, the most this daemon allows "
+                    "(max_sessions)"
+                )
             self._sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, peer: str = "") -> Session:
         """The live session, its lease renewed; ``SessionError`` if there is none."""
         with self._lock:
-            return self._renew(session_id)
+            return self._renew(session_id, peer)
 
-    def close(self, session_id: str) -> Leftovers:
+    def close(self, session_id: str, peer: str = "") -> Leftovers:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
-        if session is None:
-            raise SessionError(f"unknown session {session_id!r:.40}")
+            session = self._renew(session_id, peer)
+            del self._sessions[session_id]
         return _leftovers(session)
 
-    def attach(self, session_id: str) -> None:
+    def attach(self, session_id: str, peer: str = "") -> None:
         """A keep-alive stream opened: the session now lives as long as the stream."""
         with self._lock:
-            self._renew(session_id).streams += 1
+            self._renew(session_id, peer).streams += 1
 
     def detach(self, session_id: str) -> Leftovers | None:
         """The stream ended. Ends the session (it was the client's lifeline); None if gone."""
@@ -119,51 +159,83 @@ class SessionTable:
                 del self._sessions[session.session_id]
         return [(s, _leftovers(s)) for s in lapsed]
 
-    def close_all(self) -> Leftovers:
+    def close_all(self) -> list[Leftovers]:
         with self._lock:
             sessions = list(self._sessions.values())
             self._sessions.clear()
-        reserved: list[int] = []
-        acquired: list[int] = []
-        for session in sessions:
-            left = _leftovers(session)
-            reserved += left.reserved
-            acquired += left.acquired
-        return Leftovers(reserved, acquired)
+        return [_leftovers(s) for s in sessions]
+
+    # ---- calls that hand out slots ----
+
+    def begin_call(self, session_id: str, call_id: int, peer: str = "") -> Session:
+        """Registers a Reserve or Acquire as running; ``CallCancelled`` if it was cancelled."""
+        with self._lock:
+            session = self._renew(session_id, peer)
+            if call_id:
+                if call_id in session.cancelled:
+                    raise CallCancelled(f"call {call_id} was cancelled")
+                session.running.add(call_id)
+            return session
+
+    def end_call(self, session_id: str, call_id: int, kind: str, slots: Sequence[int]) -> bool:
+        """Records what a call took for its session; False (nothing recorded) if the session
+        ended or the call was cancelled meanwhile: the caller gives the slots back."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return False
+            if call_id:
+                session.running.discard(call_id)
+                if call_id in session.cancelled:
+                    return False
+                session.recent[call_id] = (kind, list(slots))
+                while len(session.recent) > _RECENT_CALLS:
+                    session.recent.popitem(last=False)
+            if kind == RESERVE:
+                session.reserved.update(slots)
+            else:
+                session.acquired.update(slots)
+            return True
+
+    def cancel(self, session_id: str, call_id: int, peer: str = "") -> tuple[str, list[int]]:
+        """Undoes a call the client stopped waiting for: returns (kind, slots to give back),
+        the slots it took that the session still holds; a call not finished yet gives its slots
+        back when it finishes (``end_call`` says so)."""
+        with self._lock:
+            session = self._renew(session_id, peer)
+            session.cancelled[call_id] = None
+            while len(session.cancelled) > _CANCELLED_IDS:
+                session.cancelled.popitem(last=False)
+            kind, slots = session.recent.pop(call_id, (RESERVE, []))
+            if kind == RESERVE:
+                back = [s for s in slots if s in session.reserved]
+                session.reserved.difference_update(back)
+            else:
+                back = []
+                for slot in slots:
+                    if session.acquired[slot] > 0:
+                        session.acquired[slot] -= 1
+                        back.append(slot)
+                session.acquired = +session.acquired
+            return kind, back
 
     # ---- slot ownership ----
 
-    def add_reserved(self, session_id: str, slots: Sequence[int]) -> bool:
-        """Records new reservations; False (and nothing recorded) if the session has ended."""
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None:
-                return False
-            session.reserved.update(slots)
-            return True
-
-    def add_acquired(self, session_id: str, slots: Sequence[int]) -> bool:
-        with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None:
-                return False
-            session.acquired.update(slots)
-            return True
-
-    def take_reserved(self, session_id: str, slots: Sequence[int]) -> None:
+    def take_reserved(self, session_id: str, slots: Sequence[int], peer: str = "") -> Session:
         """Removes ``slots`` from the session's reservations, all or none."""
         with self._lock:
-            session = self._renew(session_id)
+            session = self._renew(session_id, peer)
             wanted = set(slots)
             if len(wanted) != len(slots) or not wanted <= session.reserved:
                 foreign = sorted(wanted - session.reserved)[:8] or sorted(slots)[:8]
                 raise OwnershipError(f"slots not reserved by this session: {foreign}")
             session.reserved -= wanted
+            return session
 
-    def take_acquired(self, session_id: str, slots: Sequence[int]) -> None:
+    def take_acquired(self, session_id: str, slots: Sequence[int], peer: str = "") -> Session:
         """Removes one acquisition per listed slot, all or none."""
         with self._lock:
-            session = self._renew(session_id)
+            session = self._renew(session_id, peer)
             wanted = Counter(slots)
             short = [s for s, n in wanted.items() if session.acquired[s] < n]
             if short:
@@ -172,24 +244,29 @@ class SessionTable:
             for slot in wanted:
                 if session.acquired[slot] == 0:
                     del session.acquired[slot]
+            return session
 
-    def held(self) -> tuple[int, int]:
-        """(reserved, acquired) slot references held across all sessions."""
+    def held(self, layout: bytes | None = None) -> tuple[int, int, int]:
+        """(sessions, reserved, acquired) slot references held, of one layout or all."""
         with self._lock:
-            reserved = sum(len(s.reserved) for s in self._sessions.values())
-            acquired = sum(s.acquired.total() for s in self._sessions.values())
-        return reserved, acquired
+            mine = [s for s in self._sessions.values() if layout is None or s.layout == layout]
+            reserved = sum(len(s.reserved) for s in mine)
+            acquired = sum(s.acquired.total() for s in mine)
+        return len(mine), reserved, acquired
 
-    def _renew(self, session_id: str) -> Session:
+    def _renew(self, session_id: str, peer: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
             raise SessionError(f"unknown session {session_id!r:.40}")
+        if session.peer and peer != session.peer:
+            raise OwnershipError("this session belongs to another connection")
         session.deadline = self._clock() + self.lease_s
         return session
 
 
 def _leftovers(session: Session) -> Leftovers:
     return Leftovers(
+        session.layout,
         sorted(session.reserved),
         list(session.acquired.elements()),
         session.client_pid,

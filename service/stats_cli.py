@@ -88,10 +88,12 @@ def render_json(stats: pb.StatsResponse) -> str:
 
 
 def render_table(stats: pb.StatsResponse) -> str:
-    """Hits per tier with the token hit rate, then the daemon's sessions and layout."""
-    rows = [[title for title, _, _ in _COLUMNS]]
+    """Hits per tier (per layout when there are several), then sessions and layouts."""
+    several = len(stats.layouts) > 1
+    columns = (("layout", None, "{}"), *_COLUMNS) if several else _COLUMNS
+    rows = [[title for title, _, _ in columns]]
     for tier in stats.tiers:
-        row = []
+        row = [tier.layout[:12]] if several else []
         for _, field, fmt in _COLUMNS:
             if field is None:
                 rate = tier.hit_tokens / tier.query_tokens if tier.query_tokens else 0.0
@@ -99,25 +101,30 @@ def render_table(stats: pb.StatsResponse) -> str:
             else:
                 row.append(fmt.format(getattr(tier, field)))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [
         "  ".join(
-            cell.rjust(w) if i else cell.ljust(w)
+            cell.rjust(w) if i > several else cell.ljust(w)
             for i, (cell, w) in enumerate(zip(r, widths, strict=True))
         )
         for r in rows
     ]
     if not stats.tiers:
         lines.append("(no layout yet: no client has opened a session)")
-    total_query = stats.tiers[0].query_tokens if stats.tiers else 0
+    host = [t for t in stats.tiers if t.tier == "host"]
+    total_query = sum(t.query_tokens for t in host)
     total_hit = sum(t.hit_tokens for t in stats.tiers)
     overall = total_hit / total_query if total_query else 0.0
     lines.append("")
     lines.append(
         f"daemon hit rate {overall:.1%} of {total_query:,} tokens asked; "
         f"{stats.sessions} sessions, {stats.reserved_slots} slots reserved, "
-        f"{stats.acquired_slots} acquired; up {stats.uptime_s:,.0f} s"
+        f"{stats.acquired_slots} acquired, {stats.quarantined_slots} quarantined; "
+        f"up {stats.uptime_s:,.0f} s"
     )
-    if stats.layout_signature:
-        lines.append(f"layout {stats.layout_signature}, {stats.slot_bytes:,} B blocks")
+    for layout in stats.layouts:
+        lines.append(
+            f"layout {layout.layout[:12]}: {layout.num_slots:,} slots of {layout.slot_bytes:,} B, "
+            f"{layout.writing_behind:,} writing to disk, disk {layout.disk}"
+        )
     return "\n".join(lines)

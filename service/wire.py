@@ -16,12 +16,17 @@ from kvtier.proto.contract import HASH_BYTES
 
 
 class RequestError(Exception):
-    """A call the daemon refuses, with the status code to answer it with."""
+    """A call the daemon refuses, with the status code to answer it with.
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    ``kind`` names requests that are malformed rather than merely refused (undecodable, too
+    large): those are logged, rate-limited, since they point at a broken or hostile client.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, kind: str = ""):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.kind = kind
 
 
 def invalid(message: str) -> RequestError:

@@ -17,9 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.proto.contract import MIN_BLOCK_BYTES
+from kvtier.tiers.host import MAX_META_BYTES
 
 from daemonutil import (
     BLOCK_BYTES,
+    SIGNATURE,
     Daemon,
     block_hash,
     content,
@@ -55,8 +58,8 @@ def worker(target: str, index: int, results) -> None:
         assert client.wait_connected(60)
         own = [block_hash(f"w{index}", i) for i in range(PER_WORKER)]
         shared = [block_hash("shared", i) for i in range(SHARED)]
-        parents = [block_hash("parent", i) for i in range(PER_WORKER)]
-        slots = client.reserve(own, parents)
+        metas = [b"engine-block-%d" % i for i in range(PER_WORKER)]
+        slots = client.reserve(own, metas)
         assert all(s >= 0 for s in slots), slots
         for h, s in zip(own, slots, strict=True):
             client.slab[s].numpy()[:] = content(h)
@@ -122,8 +125,9 @@ async def test_every_rpc_from_several_processes(daemon):
     events = await asyncio.wait_for(watcher, 60)
     host_stored = [e for e in events if e.kind == pb.BlockEvent.STORED and e.tier == "host"]
     by_hash = {e.hash: e for e in host_stored}
-    assert by_hash[block_hash("w1", 3)].parent_hash == block_hash("parent", 3)
-    assert by_hash[block_hash("shared", 0)].parent_hash == b""
+    assert by_hash[block_hash("w1", 3)].meta == b"engine-block-3"
+    assert by_hash[block_hash("shared", 0)].meta == b""
+    assert by_hash[block_hash("w1", 3)].layout_signature == SIGNATURE
     stats = daemon.stats()
     assert stats.sessions == 0 and stats.reserved_slots == 0 and stats.acquired_slots == 0
     host = next(t for t in stats.tiers if t.tier == "host")
@@ -159,16 +163,27 @@ def test_malformed_input_gets_its_status_and_daemon_keeps_serving(daemon):
         assert call(stub.Commit, out_of_range) == grpc.StatusCode.INVALID_ARGUMENT
         twice = pb.ReserveRequest(session_id=mine, hashes=block_hash("t", 0) * 2)
         assert call(stub.Reserve, twice) == grpc.StatusCode.INVALID_ARGUMENT
-        parents = pb.ReserveRequest(
-            session_id=mine, hashes=block_hash("t", 1), parent_hashes=bytes(32)
+        metas = pb.ReserveRequest(session_id=mine, hashes=block_hash("t", 1), metas=[b"a", b"b"])
+        assert call(stub.Reserve, metas) == grpc.StatusCode.INVALID_ARGUMENT
+        big_meta = pb.ReserveRequest(
+            session_id=mine, hashes=block_hash("t", 1), metas=[bytes(MAX_META_BYTES + 1)]
         )
-        assert call(stub.Reserve, parents) == grpc.StatusCode.INVALID_ARGUMENT
+        assert call(stub.Reserve, big_meta) == grpc.StatusCode.INVALID_ARGUMENT
         wrong_size = pb.PutRequest(session_id=mine, hash=block_hash("p", 0), data=b"x")
         assert call(stub.Put, iter([wrong_size])) == grpc.StatusCode.INVALID_ARGUMENT
+        # another layout gets its own arena; the same layout with another block size does not
         other_layout = b"\xff" * 16
+        second = open_session(stub, signature=other_layout, block_bytes=2 * BLOCK_BYTES)
+        first = open_session(stub)
+        assert second.arena_path != first.arena_path and second.slot_bytes == 2 * BLOCK_BYTES
         with pytest.raises(grpc.RpcError) as info:
             open_session(stub, signature=other_layout)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as info:
+            open_session(stub, signature=b"\xee" * 16, block_bytes=MIN_BLOCK_BYTES - 1)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for opened in (first, second):
+            stub.Close(pb.SessionRequest(session_id=opened.session_id), timeout=10)
         with pytest.raises(grpc.RpcError) as info:
             open_session(stub, signature=b"short")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -189,12 +204,16 @@ def test_metrics_and_stats_endpoints(daemon):
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/metrics", timeout=10) as r:
         text = r.read().decode()
         assert r.headers["Content-Type"].startswith("text/plain")
-    assert 'kvtier_hit_tokens_total{tier="host"}' in text
+    layout = SIGNATURE.hex()
+    assert f'kvtier_hit_tokens_total{{tier="host",layout="{layout}"}}' in text
     assert "kvtier_rpc_seconds_bucket" in text
-    assert 'kvtier_capacity_blocks{tier="host"} 128.0' in text
+    assert f'kvtier_capacity_blocks{{tier="host",layout="{layout}"}} 128.0' in text
+    assert f'kvtier_writing_behind_blocks{{layout="{layout}"}}' in text
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/stats", timeout=10) as r:
         stats = json.loads(r.read())
-    assert [t["tier"] for t in stats["tiers"]] == ["host", "disk"]
+    mine = [t["tier"] for t in stats["tiers"] if t["layout"] == layout]
+    assert mine == ["host", "disk"]
+    assert {"layout": layout, "disk": "ok"}.items() <= stats["layouts"][0].items()
 
 
 def test_stats_command_prints_the_table(daemon):
@@ -208,8 +227,15 @@ def test_stats_command_prints_the_table(daemon):
         daemon.target,
     ]
     table = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    assert table.splitlines()[0].split()[:5] == ["tier", "query", "tok", "hit", "tok"]
-    assert any(line.startswith("host") for line in table.splitlines())
+    header = table.splitlines()[0].split()
+    assert header[header.index("tier") : header.index("tier") + 5] == [
+        "tier",
+        "query",
+        "tok",
+        "hit",
+        "tok",
+    ]
+    assert any(" host " in f" {line} " for line in table.splitlines()[1:])
     assert "hit rate" in table
     as_json = subprocess.run(
         [*cmd, "--json"], capture_output=True, text=True, timeout=60, check=True

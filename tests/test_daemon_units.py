@@ -8,7 +8,15 @@ import pytest
 from kvtier.connector.client import DaemonClient
 from kvtier.service import config
 from kvtier.service.arena import Arena, ArenaError
-from kvtier.service.sessions import OwnershipError, SessionError, SessionTable
+from kvtier.service.sessions import (
+    ACQUIRE,
+    RESERVE,
+    CallCancelled,
+    OwnershipError,
+    SessionError,
+    SessionLimit,
+    SessionTable,
+)
 from kvtier.service.wire import RequestError, check_slots, split_hashes
 from kvtier.tiers.host import NO_SPACE
 
@@ -21,12 +29,15 @@ class FakeClock:
         return self.now
 
 
+LAYOUT = bytes(16)
+
+
 def test_sessions_own_their_slots_and_lapse():
     clock = FakeClock()
     table = SessionTable(lease_s=10, clock=clock)
-    a = table.open("a", 16).session_id
-    b = table.open("b", 16).session_id
-    assert table.add_reserved(a, [1, 2]) and table.add_acquired(b, [5, 5])
+    a = table.open("a", LAYOUT, 16).session_id
+    b = table.open("b", LAYOUT, 16).session_id
+    assert table.end_call(a, 0, RESERVE, [1, 2]) and table.end_call(b, 0, ACQUIRE, [5, 5])
     with pytest.raises(OwnershipError):
         table.take_reserved(b, [1])
     with pytest.raises(OwnershipError):
@@ -34,17 +45,53 @@ def test_sessions_own_their_slots_and_lapse():
     with pytest.raises(OwnershipError):
         table.take_reserved(a, [1, 1])
     table.take_acquired(b, [5])
-    assert table.held() == (2, 1)
+    assert table.held() == (2, 2, 1)
     table.attach(b)  # b holds a keep-alive stream: it never lapses
     clock.now = 11
     ended = table.reap()
     assert [(s.session_id, left.reserved) for s, left in ended] == [(a, [1, 2])]
     with pytest.raises(SessionError):
         table.get(a)
-    assert not table.add_reserved(a, [3])
+    assert not table.end_call(a, 0, RESERVE, [3])
     left = table.detach(b)
     assert left is not None and left.acquired == [5]
     assert len(table) == 0
+
+
+def test_cancel_gives_back_what_the_call_took_before_or_after_it_finished():
+    table = SessionTable(lease_s=10)
+    s = table.open("s", LAYOUT, 16).session_id
+    # Finished, then cancelled: its slots come back, the session's others stay.
+    table.begin_call(s, 1)
+    assert table.end_call(s, 1, RESERVE, [3, 4])
+    assert table.end_call(s, 0, RESERVE, [9])
+    assert table.cancel(s, 1) == (RESERVE, [3, 4])
+    assert table.get(s).reserved == {9}
+    # Cancelled while running: finishing records nothing (the caller gives the slots back).
+    table.begin_call(s, 2)
+    assert table.cancel(s, 2) == (RESERVE, [])
+    assert not table.end_call(s, 2, ACQUIRE, [5])
+    assert not table.get(s).acquired
+    # Cancelled before it arrived: it does not run at all.
+    table.cancel(s, 3)
+    with pytest.raises(CallCancelled):
+        table.begin_call(s, 3)
+    # An acquire's cancel gives back one read per slot it took, not the session's others.
+    table.begin_call(s, 4)
+    assert table.end_call(s, 4, ACQUIRE, [7])
+    assert table.end_call(s, 0, ACQUIRE, [7])
+    assert table.cancel(s, 4) == (ACQUIRE, [7])
+    assert table.get(s).acquired == {7: 1}
+
+
+def test_session_limit_and_tcp_peer_binding():
+    table = SessionTable(lease_s=10, max_sessions=1)
+    s = table.open("tcp", LAYOUT, 16, peer="ipv4:10.0.0.1:5000").session_id
+    with pytest.raises(SessionLimit):
+        table.open("another", LAYOUT, 16)
+    assert table.get(s, "ipv4:10.0.0.1:5000").client_name == "tcp"
+    with pytest.raises(OwnershipError, match="another connection"):
+        table.get(s, "ipv4:10.0.0.2:6000")
 
 
 def test_sizes_toml_and_flags(tmp_path):

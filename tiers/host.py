@@ -1,54 +1,49 @@
 """The host tier: one slab of (pinned) host memory cut into block-sized slots.
 
-A hash→slot index, LRU over committed slots nobody is reading, and two-phase transfers:
+A hash→slot index, LRU over committed slots nobody holds, and two-phase transfers:
 
 * store: ``reserve`` → the caller writes the slot → ``commit`` (or ``abort``). A reserved slot
   is in the index, so nobody reserves the same hash twice, but it is never readable.
 * load: ``acquire`` → the caller reads the slot → ``release``. An acquired slot is never
-  evicted. Acquiring a hash that only the disk tier holds promotes it into a slot first.
+  evicted. Acquiring a hash that only a lower tier holds promotes it into a slot first.
 
-When a slot is needed and none is free, the least recently used committed slot is evicted
-**into the disk tier** (spill) unless the disk already holds it. The slab can be our own
-allocation or a caller's buffer (the daemon's shared-memory arena).
+Below it may sit a disk tier and a remote tier. With ``write_behind`` (the daemon), every
+commit is readable at once and is also written to those tiers from its slot, which stays
+pinned until they are done; otherwise (an engine's own stack) a block reaches the disk tier
+when its slot is evicted (spill). Either way eviction takes the least recently used slot,
+and a prefix enters the LRU tail first, so its tail is evicted before its head and a prefix
+partly in this tier never cascades through the disk on its next acquire.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.hashing import BlockHash, check_hash
+from kvtier.tiers.host_slots import READY, WRITING, SlotTable
+from kvtier.tiers.lower import (
+    ALREADY_STORED,
+    NO_SPACE,
+    DiskTierLike,
+    LowerHits,
+    RemoteTierLike,
+)
 from kvtier.tiers.pinned import allocate_host
 
-ALREADY_STORED = -1
-"""``reserve`` result: this tier or the one below holds the hash (or is writing it)."""
-NO_SPACE = -2
-"""``reserve`` result: every slot is being read or written right now."""
+MAX_META_BYTES = 4096
+"""Most bytes of engine metadata one block may carry."""
 
-_FREE, _WRITING, _READY = 0, 1, 2
-
-
-@dataclass(slots=True)
-class LowerHits:
-    """How many leading hashes the host and disk tiers hold, as one contiguous prefix."""
-
-    host: int = 0
-    disk: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.host + self.disk
+EventFn = Callable[[str, BlockHash, bytes], None]
 
 
 class HostTier:
-    """Fixed-slot block store in host memory, spilling its LRU slots into a ``DiskTier``."""
+    """Fixed-slot block store in host memory over an optional disk and remote tier."""
 
     def __init__(
         self,
@@ -57,19 +52,24 @@ class HostTier:
         *,
         buffer: torch.Tensor | None = None,
         pin: bool | None = None,
-        lower: DiskTier | None = None,
+        lower: DiskTierLike | None = None,
+        remote: RemoteTierLike | None = None,
+        write_behind: bool = False,
         counters: TierCounters | None = None,
-        on_event: Callable[[str, BlockHash], None] | None = None,
+        on_event: EventFn | None = None,
     ):
-        """``on_event(kind, hash)`` hears "stored" and "removed"; it may run under the tier's
-        lock, so it must only hand the event on (a queue), never call back into the tier."""
+        """``on_event(kind, hash, meta)`` hears "stored" and "removed"; it may run under the
+        tier's lock, so it must only hand the event on (a queue), never call back into it."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         num_slots = capacity_bytes // block_bytes
         if num_slots < 1:
             raise ValueError(f"host capacity {capacity_bytes} B holds no block of {block_bytes} B")
-        if lower is not None and lower.block_bytes != block_bytes:
-            raise ValueError(f"disk tier blocks are {lower.block_bytes} B, host {block_bytes} B")
+        for tier in (lower, remote):
+            if tier is not None and tier.block_bytes != block_bytes:
+                raise ValueError(
+                    f"a lower tier's blocks are {tier.block_bytes} B, not {block_bytes}"
+                )
         if buffer is None:
             buffer = allocate_host(num_slots * block_bytes, pin)
         elif buffer.dtype != torch.uint8 or buffer.numel() < num_slots * block_bytes:
@@ -79,36 +79,37 @@ class HostTier:
         self.slab = buffer[: num_slots * block_bytes].view(num_slots, block_bytes)
         self._slab_np = self.slab.numpy()
         self.lower = lower
+        self.remote = remote
+        self._behind = [t for t in (lower, remote) if t is not None] if write_behind else []
         self.counters = counters or TierCounters("host")
         self.counters.capacity_blocks = num_slots
         self.counters.capacity_bytes = num_slots * block_bytes
         self._on_event = on_event
         self._lock = threading.Lock()
         self._promoted = threading.Condition(self._lock)
-        self._index: dict[BlockHash, int] = {}
-        self._slot_hash: list[BlockHash | None] = [None] * num_slots
-        self._state = [_FREE] * num_slots
-        self._refs = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._slots = SlotTable(num_slots)
         self._promoting: set[int] = set()
+        self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
 
-    # ---------------------------------------------------------------- queries
+    # ---- queries ----
 
     def contains(self, block_hash: BlockHash) -> bool:
         """True if a committed slot holds ``block_hash``."""
-        slot = self._index.get(block_hash)
-        return slot is not None and self._state[slot] == _READY
+        return self._slots.ready_slot(block_hash) is not None
 
     def lookup(self, hashes: Sequence[BlockHash]) -> LowerHits:
-        """The contiguous prefix of ``hashes`` that this tier or the disk tier holds."""
+        """The contiguous prefix of ``hashes`` that this tier or the ones below hold.
+
+        The host and disk part is one consistent walk under the lock; what neither holds is
+        asked of the remote tier in one batched call, outside the lock (it is a network call).
+        """
         for h in hashes:
             check_hash(h)
         hits = LowerHits()
         pos, n = 0, len(hashes)
         with self._lock:
             while pos < n:
-                if self._ready(hashes[pos]):
+                if self._slots.ready_slot(hashes[pos]) is not None:
                     hits.host += 1
                     pos += 1
                     continue
@@ -116,31 +117,54 @@ class HostTier:
                 if run == 0:
                     break
                 for h in hashes[pos : pos + run]:
-                    if self._ready(h):
+                    if self._slots.ready_slot(h) is not None:
                         hits.host += 1
                     else:
                         hits.disk += 1
                 pos += run
+        if pos < n and self.remote is not None:
+            hits.remote = self.remote.lookup_prefix(hashes[pos:])
         return hits
+
+    @property
+    def writing_behind(self) -> int:
+        """Committed blocks whose write to a tier below has not finished."""
+        with self._lock:
+            return len(self._behind_left)
 
     def slot_array(self, slot: int) -> np.ndarray:
         """The bytes of one slot as a writable numpy view (no copy)."""
         return self._slab_np[slot]
 
-    # ------------------------------------------------------------------ store
+    def meta_of(self, slot: int) -> bytes:
+        with self._lock:
+            return self._slots.meta.get(slot, b"")
 
-    def reserve(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def snapshot(self) -> list[tuple[BlockHash, bytes]]:
+        """(hash, meta) of every block readable here now."""
+        with self._lock:
+            return self._slots.snapshot()
+
+    # ---- store ----
+
+    def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes] = ()) -> list[int]:
         """Reserves a slot for each hash; ``ALREADY_STORED`` or ``NO_SPACE`` where it can't.
 
         The hash is claimed at once (a second reserve of it sees ``ALREADY_STORED``) but the
-        slot is unreadable until ``commit``.
+        slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
+        metadata, kept with the block in every tier.
         """
         for h in hashes:
             check_hash(h)
+        if metas and len(metas) != len(hashes):
+            raise ValueError(f"{len(metas)} metas for {len(hashes)} hashes")
+        for meta in metas:
+            if len(meta) > MAX_META_BYTES:
+                raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
         result: list[int] = []
         with self._lock:
-            for h in hashes:
-                if h in self._index or (self.lower is not None and self.lower.contains(h)):
+            for i, h in enumerate(hashes):
+                if h in self._slots.index or (self.lower is not None and self.lower.contains(h)):
                     self.counters.blocks_deduplicated += 1
                     result.append(ALREADY_STORED)
                     continue
@@ -148,59 +172,104 @@ class HostTier:
                 if slot is None:
                     result.append(NO_SPACE)
                     continue
-                self._claim(slot, h)
+                self._claim(slot, h, metas[i] if metas else b"")
                 result.append(slot)
         return result
 
     def commit(self, slots: Sequence[int]) -> None:
-        """Makes reserved slots readable; their hashes are now stored here."""
-        stored: list[BlockHash] = []
+        """Makes reserved slots readable; their hashes are now stored here.
+
+        ``slots`` are taken in chain order (a prefix head first): they enter the LRU tail
+        first. With ``write_behind`` each is written to the tiers below from its slot, pinned
+        until they are done.
+        """
+        committed: list[tuple[int, BlockHash, bytes]] = []
         with self._lock:
+            table = self._slots
             for slot in slots:
-                self._check_state(slot, _WRITING, "commit")
-                self._state[slot] = _READY
-                self._lru[slot] = None
+                self._check_state(slot, WRITING, "commit")
+            for slot in reversed(slots):
+                table.state[slot] = READY
+                block = (slot, table.hash_of(slot), table.meta.get(slot, b""))
+                committed.append(block)
+                if self._behind:
+                    for _ in self._behind:
+                        table.pin(slot)
+                    self._behind_left[slot] = len(self._behind)
+                else:
+                    table.lru_push(slot)
                 self.counters.blocks_stored += 1
                 self.counters.bytes_in += self.block_bytes
-                stored.append(self._slot_hash[slot])
-        self._emit("stored", stored)
+                self._emit("stored", block[1], block[2])
+        for slot, block_hash, meta in committed:
+            for tier in self._behind:
+                tier.write_behind(
+                    block_hash, self._slab_np[slot], meta, partial(self._written, slot)
+                )
 
     def abort(self, slots: Sequence[int]) -> None:
         """Gives reserved slots back unwritten; their hashes are not stored."""
         with self._lock:
             for slot in slots:
-                self._check_state(slot, _WRITING, "abort")
+                self._check_state(slot, WRITING, "abort")
+            for slot in slots:
                 self._drop(slot)
 
-    # ------------------------------------------------------------------- load
+    # ---- load ----
 
     def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Pins slots holding ``hashes`` for reading, promoting disk hits into slots.
+        """Pins slots holding ``hashes`` for reading; see ``acquire_with_sources``."""
+        return self.acquire_with_sources(hashes)[0]
 
-        Stops at the first hash that neither tier can supply (gone since the lookup, no free
-        slot, or a checksum miss on disk), so the result is a prefix of ``hashes``. Every
-        returned slot must be given back with ``release``.
+    def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
+        """Pins slots holding ``hashes``, promoting lower-tier hits; says where each was.
+
+        Every block already here is pinned first, so promoting the others can never evict a
+        block this call is about to hand out. The result stops at the first hash that no tier
+        can supply (gone since the lookup, no free slot, a checksum miss), so it is a prefix
+        of ``hashes``; every returned slot must be given back with ``release``.
         """
         for h in hashes:
             check_hash(h)
+        sources = LowerHits()
+        found: list[int | None] = []
+        with self._lock:
+            for h in hashes:
+                slot = self._slots.ready_slot(h)
+                if slot is not None:
+                    self._slots.pin(slot)
+                found.append(slot)
         acquired: list[int] = []
-        for h in hashes:
-            slot = self._acquire_one(h)
-            if slot is None:
+        pos = 0
+        while pos < len(hashes):
+            slot = found[pos]
+            if slot is not None:
+                sources.host += 1
+                acquired.append(slot)
+                pos += 1
+                continue
+            run = self._promote(hashes, found, pos, sources)
+            if not run:
                 break
-            acquired.append(slot)
-        return acquired
+            acquired += run
+            pos += len(run)
+        with self._lock:
+            for slot in found[pos:]:
+                if slot is not None:
+                    self._slots.unpin(slot)
+            self.counters.blocks_loaded += len(acquired)
+            self.counters.bytes_out += len(acquired) * self.block_bytes
+        return acquired, sources
 
     def release(self, slots: Sequence[int]) -> None:
-        """Ends reads begun by ``acquire``."""
+        """Ends reads begun by ``acquire``; a prefix is released tail first into the LRU."""
         with self._lock:
             for slot in slots:
-                self._check_state(slot, _READY, "release")
-                if self._refs[slot] <= 0:
+                self._check_state(slot, READY, "release")
+                if self._slots.refs[slot] <= 0:
                     raise ValueError(f"slot {slot} released more often than acquired")
-                self._refs[slot] -= 1
-                if self._refs[slot] == 0:
-                    self._lru[slot] = None
+            for slot in reversed(slots):
+                self._slots.unpin(slot)
 
     def spill_all(self) -> int:
         """Copies every committed block the disk tier lacks into it (graceful shutdown).
@@ -211,97 +280,148 @@ class HostTier:
             return 0
         spilled = 0
         with self._lock:
-            for block_hash, slot in self._index.items():
-                if self._state[slot] == _READY and not self.lower.contains(block_hash):
-                    self.lower.put(block_hash, self._slab_np[slot])
+            table = self._slots
+            for block_hash, slot in list(table.index.items()):
+                if table.state[slot] == READY and not self.lower.contains(block_hash):
+                    self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
                     spilled += 1
             self.counters.blocks_spilled += spilled
         return spilled
 
-    # -------------------------------------------------------------- internals
+    # ---- internals ----
 
-    def _ready(self, block_hash: BlockHash) -> bool:
-        slot = self._index.get(block_hash)
-        return slot is not None and self._state[slot] == _READY
+    def _promote(
+        self, hashes: Sequence[BlockHash], found: list[int | None], pos: int, sources: LowerHits
+    ) -> list[int]:
+        """Promotes the run of non-resident hashes starting at ``pos``; returns its slots.
+
+        A disk hit is read into a claimed slot one block at a time; a run the disk lacks is
+        fetched from the remote tier in one batched call. The reads run outside the lock;
+        the claimed slots keep every other caller off these hashes meanwhile.
+        """
+        end = pos
+        while end < len(hashes) and found[end] is None:
+            end += 1
+        slot = self._acquire_one(hashes[pos])
+        if slot is not None:
+            sources.disk += 1
+            return [slot]
+        if self.remote is None:
+            return []
+        return self._promote_remote(hashes[pos:end], sources)
 
     def _acquire_one(self, block_hash: BlockHash) -> int | None:
+        """Promotes one disk hit into a pinned slot, or None."""
         with self._lock:
             while True:
-                slot = self._index.get(block_hash)
+                slot = self._slots.index.get(block_hash)
                 if slot is None:
                     break
-                if self._state[slot] == _READY:
-                    self._pin(slot)
-                    self.counters.blocks_loaded += 1
-                    self.counters.bytes_out += self.block_bytes
+                if self._slots.state[slot] == READY:
+                    self._slots.pin(slot)  # another caller promoted it meanwhile
                     return slot
                 if slot not in self._promoting:
                     return None  # a store still being written is not readable yet
-                # Another thread is promoting this hash from disk: its read is short, wait.
-                self._promoted.wait()
+                self._promoted.wait()  # another caller is promoting this hash: its read is short
             if self.lower is None or not self.lower.contains(block_hash):
                 return None
             slot = self._take_slot()
             if slot is None:
                 return None
-            self._claim(slot, block_hash)
+            self._claim(slot, block_hash, self.lower.get_meta(block_hash) or b"")
             self._promoting.add(slot)
-        # The disk read runs outside the lock; the claimed slot keeps others off this hash.
         ok = self.lower.get_into(block_hash, self._slab_np[slot])
         with self._lock:
             self._promoting.discard(slot)
             if ok:
-                self._state[slot] = _READY
-                self._pin(slot)
-                self.counters.blocks_promoted += 1
-                self.counters.blocks_loaded += 1
-                self.counters.bytes_out += self.block_bytes
+                self._ready_promoted(slot)
             else:
                 self._drop(slot)
             self._promoted.notify_all()
         return slot if ok else None
 
-    def _pin(self, slot: int) -> None:
-        self._refs[slot] += 1
-        self._lru.pop(slot, None)
+    def _promote_remote(self, hashes: Sequence[BlockHash], sources: LowerHits) -> list[int]:
+        """Fetches a run of hashes from the remote tier into pinned slots (disk too)."""
+        claimed: list[int] = []
+        with self._lock:
+            for h in hashes:
+                if h in self._slots.index:
+                    break  # someone else is storing or promoting it: stop the run here
+                slot = self._take_slot()
+                if slot is None:
+                    break
+                self._claim(slot, h, b"")
+                self._promoting.add(slot)
+                claimed.append(slot)
+        metas = self.remote.get_into(hashes[: len(claimed)], [self._slab_np[s] for s in claimed])
+        got = claimed[: len(metas)]
+        with self._lock:
+            for slot, meta in zip(got, metas, strict=True):
+                if meta:
+                    self._slots.meta[slot] = meta
+                self._promoting.discard(slot)
+                self._ready_promoted(slot)
+            for slot in claimed[len(got) :]:
+                self._promoting.discard(slot)
+                self._drop(slot)
+            self._promoted.notify_all()
+        sources.remote += len(got)
+        if self.lower is not None:  # a remote hit lands in the disk tier too
+            for slot in got:
+                self.lower.put(self._slots.hash_of(slot), self._slab_np[slot], self.meta_of(slot))
+        return got
 
-    def _claim(self, slot: int, block_hash: BlockHash) -> None:
-        self._state[slot] = _WRITING
-        self._slot_hash[slot] = block_hash
-        self._index[block_hash] = slot
+    def _ready_promoted(self, slot: int) -> None:
+        """A promoted slot becomes readable, pinned once for the caller; call under the lock."""
+        self._slots.state[slot] = READY
+        self._slots.refs[slot] = 1
+        self.counters.blocks_promoted += 1
+        self._emit("stored", self._slots.hash_of(slot), self._slots.meta.get(slot, b""))
+
+    def _written(self, slot: int, ok: bool) -> None:
+        """One write behind of the slot finished; the tier below counts a failure (``ok``
+        False) itself. The slot stays pinned until every such write is done."""
+        with self._lock:
+            left = self._behind_left.pop(slot) - 1
+            if left:
+                self._behind_left[slot] = left
+            self._slots.unpin(slot)
+
+    def _claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
+        self._slots.claim(slot, block_hash, meta)
         self.counters.used_blocks += 1
         self.counters.used_bytes += self.block_bytes
 
-    def _drop(self, slot: int) -> None:
-        del self._index[self._slot_hash[slot]]
-        self._slot_hash[slot] = None
-        self._state[slot] = _FREE
-        self._free.append(slot)
+    def _drop(self, slot: int) -> BlockHash:
+        block_hash = self._slots.drop(slot)
         self.counters.used_blocks -= 1
         self.counters.used_bytes -= self.block_bytes
         self._promoted.notify_all()
+        return block_hash
 
     def _take_slot(self) -> int | None:
-        """A free slot, evicting the LRU committed slot into the disk tier if need be."""
-        if self._free:
-            return self._free.pop()
-        if not self._lru:
+        """A free slot, evicting the LRU committed slot if need be (spilling it into the
+        disk tier when that tier lacks it)."""
+        slot = self._slots.pop_free()
+        if slot is not None:
+            return slot
+        slot = self._slots.lru_pop()
+        if slot is None:
             return None
-        slot, _ = self._lru.popitem(last=False)
-        victim = self._slot_hash[slot]
+        table = self._slots
+        victim, meta = table.hash_of(slot), table.meta.get(slot, b"")
         if self.lower is not None and not self.lower.contains(victim):
-            self.lower.put(victim, self._slab_np[slot])
+            self.lower.put(victim, self._slab_np[slot], meta)
             self.counters.blocks_spilled += 1
         self.counters.blocks_evicted += 1
         self._drop(slot)
-        self._emit("removed", [victim])
-        return self._free.pop()
+        self._emit("removed", victim, meta)
+        return self._slots.pop_free()
 
     def _check_state(self, slot: int, want: int, op: str) -> None:
-        if not 0 <= slot < self.num_slots or self._state[slot] != want:
+        if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
             raise ValueError(f"{op}: slot {slot} is not in the state {op} needs")
 
-    def _emit(self, kind: str, hashes: list[BlockHash]) -> None:
+    def _emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
         if self._on_event is not None:
-            for h in hashes:
-                self._on_event(kind, h)
+            self._on_event(kind, block_hash, meta)

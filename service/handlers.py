@@ -1,0 +1,119 @@
+"""Registers the servicer's methods with gRPC behind guarded request decoders.
+
+gRPC's generated registration decodes every request with no bound but the server-wide message
+size (which a ``Put`` of one large block needs high), and logs a full traceback for each
+undecodable one. Here each method gets its own size bound, checked before decoding, and a
+request that is too large or undecodable reaches the servicer as a ``Refused`` value, which it
+answers with a status (``RESOURCE_EXHAUSTED`` or ``INVALID_ARGUMENT``) and one log line per
+peer and kind of trouble, rate-limited.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.contract import HASH_BYTES, MAX_HASHES, MAX_MESSAGE_BYTES
+
+SERVICE = pb.DESCRIPTOR.services_by_name["KvTier"]
+
+_HASHES = MAX_HASHES * HASH_BYTES + (64 << 10)
+_SLOTS = MAX_HASHES * 6 + (64 << 10)
+RESERVE_META_BYTES = 32 << 20
+"""Most engine metadata bytes one ``Reserve`` may carry (clients split larger batches)."""
+REQUEST_LIMITS = {
+    "Lookup": _HASHES,
+    "Acquire": _HASHES,
+    "Get": _HASHES,
+    "Reserve": _HASHES + RESERVE_META_BYTES,
+    "Commit": _SLOTS,
+    "Abort": _SLOTS,
+    "Release": _SLOTS,
+    "Put": MAX_MESSAGE_BYTES,
+}
+"""Largest encoded request per method; methods not named here take small requests only."""
+SMALL_REQUEST = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """What a request that could not be taken decodes to."""
+
+    code: grpc.StatusCode
+    message: str
+    kind: str
+
+
+class LogLimiter:
+    """One log line per (peer, kind) per ``interval_s``; the rest are counted in the next."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0, max_keys: int = 1024):
+        self._log = logger
+        self._interval = interval_s
+        self._max_keys = max_keys
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def warn(self, peer: str, kind: str, message: str) -> None:
+        key = (peer, kind)
+        now = time.monotonic()
+        last, quiet = self._last.get(key, (float("-inf"), 0))
+        if now - last < self._interval:
+            self._last[key] = (last, quiet + 1)
+            return
+        if len(self._last) >= self._max_keys:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        more = f" ({quiet} more like it not logged)" if quiet else ""
+        self._log.warning("refused %s from %s: %s%s", kind, peer or "?", message, more)
+
+
+def _decoder(name: str, message_type: type) -> Callable[[bytes], object]:
+    limit = REQUEST_LIMITS.get(name, SMALL_REQUEST)
+
+    def decode(raw: bytes) -> object:
+        if len(raw) > limit:
+            return Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{name} request of {len(raw)} B exceeds this method's {limit} B",
+                f"{name}-too-large",
+            )
+        try:
+            return message_type.FromString(raw)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            return Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"undecodable {name} request: {exc}",
+                f"{name}-undecodable",
+            )
+
+    return decode
+
+
+def add_servicer(servicer: object, server: grpc.aio.Server) -> None:
+    """Registers every method of ``kvtier.v1.KvTier`` on ``server`` with guarded decoders."""
+    handlers = {}
+    for method in SERVICE.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        if method.client_streaming and method.server_streaming:
+            raise AssertionError("no bidirectional method is expected")
+        if method.client_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        elif method.server_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_decoder(method.name, request_type),
+            response_serializer=response_type.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),)
+    )

@@ -1,0 +1,178 @@
+"""One layout's tiers in the daemon: its shared-memory arena as the host tier, the disk tier
+below it, and the counters, events and budgets that go with them.
+
+A layout (one model's KV shape: signature and block size) gets its own arena and its own
+disk directory, so slots are one size per arena and never fragment, and each layout has its
+own budget. Commits are write-behind: a committed block is readable in the host tier at once,
+and the host tier writes it to the disk tier from its (pinned) slot in the disk writer's next
+batch — never on the committing client's path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.service.arena import Arena
+from kvtier.service.events import EventHub
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostTier
+from kvtier.tiers.lower import LowerHits
+
+log = logging.getLogger(__name__)
+
+HOST, DISK, REMOTE = "host", "disk", "remote"
+
+
+class LayoutStore:
+    """Host tier (the arena) → disk tier, for one layout signature and block size."""
+
+    def __init__(
+        self,
+        signature: bytes,
+        block_bytes: int,
+        arena: Arena,
+        disk_path: Path | None,
+        disk_bytes: int,
+        events: EventHub,
+        *,
+        disk_sync: bool = True,
+        flush_interval_s: float = 1.0,
+    ):
+        self.signature = signature
+        self.block_bytes = block_bytes
+        self.arena = arena
+        self.events = events
+        self.counters = {tier: TierCounters(tier) for tier in (HOST, DISK)}
+        self.disk: DiskTier | None = None
+        self.disk_state = "off"
+        if disk_path is not None and disk_bytes > 0:
+            self.disk = self._open_disk(disk_path, disk_bytes, disk_sync, flush_interval_s)
+        self.host = HostTier(
+            block_bytes,
+            arena.size,
+            buffer=arena.tensor,
+            lower=self.disk,
+            write_behind=True,
+            counters=self.counters[HOST],
+            on_event=self._host_event,
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.host.num_slots
+
+    def tier_counters(self) -> list[TierCounters]:
+        """Every tier's counters, the disk's even when it is off or empty (capacity 0)."""
+        return list(self.counters.values())
+
+    # ---- operations (the daemon has validated ownership and arguments) ----
+
+    def lookup(self, hashes: Sequence[bytes], block_tokens: int) -> LowerHits:
+        hits = self.host.lookup(hashes)
+        asked = len(hashes)
+        for tier, hit in ((HOST, hits.host), (DISK, hits.disk)):
+            counters = self.counters[tier]
+            counters.query_tokens += asked * block_tokens
+            counters.hit_tokens += hit * block_tokens
+            asked -= hit
+        return hits
+
+    def reserve(self, hashes: Sequence[bytes], metas: Sequence[bytes]) -> list[int]:
+        return self.host.reserve(hashes, metas)
+
+    def commit(self, slots: Sequence[int]) -> None:
+        self.host.commit(slots)
+
+    def abort(self, slots: Sequence[int]) -> None:
+        self.host.abort(slots)
+
+    def acquire(self, hashes: Sequence[bytes]) -> tuple[list[int], LowerHits]:
+        """Pins the held prefix of ``hashes`` (may read the disk: blocking)."""
+        return self.host.acquire_with_sources(hashes)
+
+    def release(self, slots: Sequence[int]) -> None:
+        self.host.release(slots)
+
+    def put_block(self, block_hash: bytes, meta: bytes, data: bytes) -> int:
+        """Stores one block sent as bytes; returns 1, or the ``reserve`` code it got."""
+        (slot,) = self.host.reserve([block_hash], [meta] if meta else ())
+        if slot < 0:
+            return slot
+        try:
+            self.host.slot_array(slot)[:] = np.frombuffer(data, dtype=np.uint8)
+        except BaseException:
+            self.host.abort([slot])
+            raise
+        self.host.commit([slot])
+        return 1
+
+    def read_slot(self, slot: int) -> bytes:
+        return self.host.slot_array(slot).tobytes()
+
+    def snapshot(self, after: bytes | None, limit: int) -> list[tuple[str, bytes, bytes]]:
+        """A batch of (tier, hash, meta) of what the tiers hold, for announcing them.
+
+        The host tier's blocks come in the first batch (``after`` None), then the disk tier's
+        in key order after ``after``, ``limit`` at a time, until an empty batch.
+        """
+        if after is None:
+            host = [(HOST, h, m) for h, m in self.host.snapshot()]
+            disk = self.disk.scan(None, limit) if self.disk is not None else []
+            return host + [(DISK, h, m) for h, m in disk]
+        if self.disk is None:
+            return []
+        return [(DISK, h, m) for h, m in self.disk.scan(after, limit)]
+
+    def close(self) -> None:
+        """Flushes and closes the disk tier, then the arena."""
+        if self.disk is not None:
+            self.disk.close()
+        self.arena.close()
+
+    # ---- internals ----
+
+    def _open_disk(
+        self, path: Path, budget: int, sync: bool, flush_interval_s: float
+    ) -> DiskTier | None:
+        """The disk tier, or None (host only, said in stats and the log) if it cannot open."""
+        try:
+            disk = DiskTier(
+                path,
+                self.signature,
+                self.block_bytes,
+                budget,
+                self.counters[DISK],
+                self._disk_event,
+                sync=sync,
+                flush_interval_s=flush_interval_s,
+            )
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.disk_state = f"unavailable: {exc}"
+            log.error(
+                "layout %s: disk tier %s unavailable, host tier only: %s", self.hex, path, exc
+            )
+            return None
+        self.disk_state = "ok"
+        log.info(
+            "layout %s: disk tier %s holds %d of %d blocks",
+            self.hex,
+            path,
+            self.counters[DISK].used_blocks,
+            self.counters[DISK].capacity_blocks,
+        )
+        return disk
+
+    @property
+    def hex(self) -> str:
+        return self.signature.hex()
+
+    def _host_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
+        self.events.emit(kind, HOST, block_hash, meta, self.signature)
+
+    def _disk_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
+        self.events.emit(kind, DISK, block_hash, meta, self.signature)

@@ -1,0 +1,186 @@
+"""10,000 random and mutated RPCs against a real daemon, with another client's blocks inside.
+
+Every method gets requests of three kinds, from a fixed seed: well-formed messages with random
+field values (with and without a real session, so the deep paths run), valid messages with
+random bytes flipped, cut or appended, and plain garbage. Afterwards the daemon must still be
+SERVING, every call must have been answered with a status that is not UNKNOWN (an exception
+of our own code), its memory and its log must have grown by a bounded amount, and the blocks
+another client stored before the storm must come back exact.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+
+from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, load, open_session, store
+
+CALLS = 10_000
+SEED = 20261122
+RSS_GROWTH_LIMIT = 256 << 20
+LOG_LINES_LIMIT = 400
+_METHODS = pb.DESCRIPTOR.services_by_name["KvTier"].methods
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        match = re.search(r"VmRSS:\s+(\d+) kB", f.read())
+    return int(match.group(1)) << 10
+
+
+class Fuzzer:
+    """Builds one request per call: a random message, a mutated one, or garbage."""
+
+    def __init__(self, rng: random.Random, sessions: list[str]):
+        self.rng = rng
+        self.sessions = sessions
+        self.slots: list[int] = list(range(8))
+
+    def hashes(self) -> bytes:
+        count = self.rng.choice([0, 1, 2, 5, 64, 3000])
+        packed = self.rng.randbytes(16 * count)
+        if self.rng.random() < 0.2:
+            packed += self.rng.randbytes(self.rng.randrange(1, 16))
+        return packed
+
+    def session(self) -> str:
+        if self.rng.random() < 0.8:
+            return self.rng.choice(self.sessions)
+        return self.rng.choice(["", "nope", "x" * 500, self.rng.randbytes(8).hex()])
+
+    def message(self, name: str) -> object:
+        r = self.rng
+        match name:
+            case "Open":
+                return pb.OpenRequest(
+                    client_name=r.choice(["fuzz", "", "y" * 1000]),
+                    layout_signature=r.choice([SIGNATURE, r.randbytes(16), r.randbytes(3)]),
+                    block_bytes=r.choice([BLOCK_BYTES, 0, 1, 4095, 2**40, r.randrange(2**20)]),
+                    block_tokens=r.randrange(2**32),
+                    protocol_version=r.choice([contract.PROTOCOL_VERSION, 0, 1, 99]),
+                    client_pid=r.randrange(2**32),
+                    client_pid_ns=r.randrange(2**64),
+                )
+            case "Close" | "KeepAlive":
+                return pb.SessionRequest(session_id=self.session())
+            case "Lookup":
+                return pb.LookupRequest(session_id=self.session(), hashes=self.hashes())
+            case "Reserve":
+                packed = self.hashes()
+                n = len(packed) // 16
+                metas = [r.randbytes(r.choice([0, 10, 5000])) for _ in range(r.choice([0, n, 1]))]
+                return pb.ReserveRequest(
+                    session_id=self.session(),
+                    hashes=packed,
+                    metas=metas,
+                    call_id=r.randrange(2**64),
+                )
+            case "Commit" | "Abort" | "Release":
+                slots = [r.choice([*self.slots, r.randrange(2**32)]) for _ in range(r.randrange(9))]
+                return pb.SlotsRequest(session_id=self.session(), slots=slots)
+            case "Acquire":
+                return pb.AcquireRequest(
+                    session_id=self.session(), hashes=self.hashes(), call_id=r.randrange(2**64)
+                )
+            case "Cancel":
+                return pb.CancelRequest(session_id=self.session(), call_id=r.randrange(2**64))
+            case "Put":
+                return pb.PutRequest(
+                    session_id=self.session(),
+                    hash=r.choice([r.randbytes(16), r.randbytes(5)]),
+                    meta=r.randbytes(r.choice([0, 20, 5000])),
+                    data=r.randbytes(r.choice([BLOCK_BYTES, 17, 0])),
+                )
+            case "Get":
+                return pb.GetRequest(session_id=self.session(), hashes=self.hashes())
+            case "Stats":
+                return pb.StatsRequest()
+            case "WatchEvents":
+                return pb.WatchRequest(
+                    layout_signature=r.choice([b"", SIGNATURE, r.randbytes(7)]),
+                    replay=r.random() < 0.5,
+                )
+        raise AssertionError(name)
+
+    def payload(self, name: str) -> bytes:
+        raw = self.message(name).SerializeToString()
+        kind = self.rng.random()
+        if kind < 0.5:
+            return raw
+        if kind < 0.8 and raw:
+            data = bytearray(raw)
+            for _ in range(self.rng.randrange(1, 6)):
+                data[self.rng.randrange(len(data))] = self.rng.randrange(256)
+            if self.rng.random() < 0.3:
+                del data[self.rng.randrange(len(data)) :]
+            return bytes(data) + self.rng.randbytes(self.rng.choice([0, 0, 3]))
+        return self.rng.randbytes(self.rng.choice([1, 7, 64, 4096]))
+
+
+def call(channel: grpc.Channel, method, payload: bytes) -> grpc.StatusCode:
+    """Sends raw bytes to ``method``; returns the status (reading at most one reply)."""
+    path = f"/kvtier.v1.KvTier/{method.name}"
+    kwargs = {"request_serializer": None, "response_deserializer": None}
+    try:
+        if method.client_streaming:
+            channel.stream_unary(path, **kwargs)(iter([payload, payload]), timeout=10)
+        elif method.server_streaming:
+            stream = channel.unary_stream(path, **kwargs)(payload, timeout=10)
+            next(stream, None)
+            stream.cancel()
+        else:
+            channel.unary_unary(path, **kwargs)(payload, timeout=10)
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=256 * BLOCK_BYTES, disk_bytes=8192 * BLOCK_BYTES).start()
+    yield d
+    d.cleanup()
+
+
+def test_ten_thousand_hostile_calls_leave_the_daemon_serving_and_others_intact(daemon):
+    owner = daemon.client(client_name="owner")
+    kept = [block_hash("kept", i) for i in range(32)]
+    assert store(owner, kept) == kept
+    rng = random.Random(SEED)
+    channel, stub = daemon.stub()
+    with channel:
+        sessions = [open_session(stub).session_id for _ in range(3)]
+        call(channel, _METHODS[0], b"")  # the first calls warm the daemon's caches
+        rss_before = rss_bytes(daemon.proc.pid)
+        log_before = len(daemon.log.read_text().splitlines())
+        fuzzer = Fuzzer(rng, sessions)
+        codes: dict[str, dict[grpc.StatusCode, int]] = {}
+        for _ in range(CALLS):
+            method = rng.choice(_METHODS)
+            code = call(channel, method, fuzzer.payload(method.name))
+            per_method = codes.setdefault(method.name, {})
+            per_method[code] = per_method.get(code, 0) + 1
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    unknown = {
+        m: c[grpc.StatusCode.UNKNOWN] for m, c in codes.items() if grpc.StatusCode.UNKNOWN in c
+    }
+    assert not unknown, f"our own code failed: {unknown}\n{daemon.log.read_text()[-4000:]}"
+    assert sum(sum(c.values()) for c in codes.values()) == CALLS
+    assert set(codes) == {m.name for m in _METHODS}
+    growth = rss_bytes(daemon.proc.pid) - rss_before
+    assert growth < RSS_GROWTH_LIMIT, f"RSS grew by {growth >> 20} MiB"
+    lines = len(daemon.log.read_text().splitlines()) - log_before
+    assert lines < LOG_LINES_LIMIT, f"{lines} log lines"
+    assert load(owner, kept) == kept
+    owner.close()
+    assert daemon.stop() == 0

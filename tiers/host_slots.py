@@ -1,0 +1,128 @@
+"""The host tier's per-slot bookkeeping in a few flat arrays.
+
+A host tier can have hundreds of thousands of slots, so nothing here is a Python object per
+slot: state, reference counts, the hash each slot holds and the LRU links are numpy arrays
+(about 30 bytes a slot in all). Only slots in use have an index entry (hash → slot) and, when
+the engine sent one, a metadata entry. The LRU is an intrusive doubly linked list over the
+unpinned committed slots, with one sentinel, so touching a slot is O(1) and allocates nothing.
+The caller (``HostTier``) holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvtier.tiers.hashing import HASH_BYTES, BlockHash
+
+FREE, WRITING, READY = 0, 1, 2
+
+
+class SlotTable:
+    """State of ``num_slots`` slots: free stack, index, reference counts, LRU order."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.state = np.zeros(num_slots, dtype=np.uint8)
+        self.refs = np.zeros(num_slots, dtype=np.int32)
+        self._hashes = np.zeros((num_slots, HASH_BYTES), dtype=np.uint8)
+        self.index: dict[BlockHash, int] = {}
+        self.meta: dict[int, bytes] = {}
+        # Free slots as a stack, lowest on top, so a fresh tier fills from slot 0 up.
+        self._free = np.arange(num_slots - 1, -1, -1, dtype=np.int32)
+        self._num_free = num_slots
+        # LRU links; index ``num_slots`` is the sentinel: its next is the least recently used.
+        self._prev = np.full(num_slots + 1, -1, dtype=np.int32)
+        self._next = np.full(num_slots + 1, -1, dtype=np.int32)
+        self._sentinel = num_slots
+        self._prev[num_slots] = self._next[num_slots] = num_slots
+        self.lru_len = 0
+
+    # ---- slots ----
+
+    @property
+    def used(self) -> int:
+        return self.num_slots - self._num_free
+
+    def hash_of(self, slot: int) -> BlockHash:
+        return self._hashes[slot].tobytes()
+
+    def ready_slot(self, block_hash: BlockHash) -> int | None:
+        """The slot holding ``block_hash`` readable, else None."""
+        slot = self.index.get(block_hash)
+        return slot if slot is not None and self.state[slot] == READY else None
+
+    def pop_free(self) -> int | None:
+        if not self._num_free:
+            return None
+        self._num_free -= 1
+        return int(self._free[self._num_free])
+
+    def claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
+        """Names a free slot by its hash, unreadable (being written) until ``state`` says."""
+        self.state[slot] = WRITING
+        self._hashes[slot] = np.frombuffer(block_hash, dtype=np.uint8)
+        self.index[block_hash] = slot
+        if meta:
+            self.meta[slot] = meta
+
+    def drop(self, slot: int) -> BlockHash:
+        """Forgets the slot's block and frees it; returns the hash it held."""
+        block_hash = self.hash_of(slot)
+        del self.index[block_hash]
+        self.meta.pop(slot, None)
+        self.state[slot] = FREE
+        self.refs[slot] = 0
+        self._free[self._num_free] = slot
+        self._num_free += 1
+        return block_hash
+
+    # ---- LRU over committed slots nobody holds ----
+
+    def lru_push(self, slot: int) -> None:
+        """Makes ``slot`` the most recently used."""
+        sentinel = self._sentinel
+        last = self._prev[sentinel]
+        self._prev[slot] = last
+        self._next[slot] = sentinel
+        self._next[last] = slot
+        self._prev[sentinel] = slot
+        self.lru_len += 1
+
+    def lru_remove(self, slot: int) -> None:
+        """Takes ``slot`` out of the LRU if it is in it."""
+        prev = self._prev[slot]
+        if prev < 0:
+            return
+        nxt = self._next[slot]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._prev[slot] = self._next[slot] = -1
+        self.lru_len -= 1
+
+    def lru_pop(self) -> int | None:
+        """Takes the least recently used slot out of the LRU."""
+        slot = int(self._next[self._sentinel])
+        if slot == self._sentinel:
+            return None
+        self.lru_remove(slot)
+        return slot
+
+    def pin(self, slot: int) -> None:
+        """One more holder (a reader or a write behind); a held slot is never evicted."""
+        if self.refs[slot] == 0:
+            self.lru_remove(slot)
+        self.refs[slot] += 1
+
+    def unpin(self, slot: int) -> None:
+        """One holder fewer; the last one puts the slot back into the LRU as most recent."""
+        self.refs[slot] -= 1
+        if self.refs[slot] == 0:
+            self.lru_push(slot)
+
+    def snapshot(self) -> list[tuple[BlockHash, bytes]]:
+        """Every readable block's hash and metadata."""
+        return [
+            (h, self.meta.get(slot, b""))
+            for h, slot in self.index.items()
+            if self.state[slot] == READY
+        ]
