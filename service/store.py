@@ -3,10 +3,10 @@
 One daemon serves every model on the node. The first ``Open`` of a layout (signature and
 block size) creates its arena (``/dev/shm/kvtier-<name>-<layout>``, ``host_bytes``) and its
 disk tier (``<data_dir>/<layout>/``, ``disk_bytes``); a layout served before finds its disk
-tier there again, with every block it committed. Layouts are built at their first ``Open`` only, so a
-layout no engine uses any more costs no shared memory. At most ``max_layouts`` are served at
-once. A data directory of the one-layout daemon (``namespace.json`` and ``lmdb/`` at its top)
-is moved into its layout's directory at start.
+tier there again, with every block it committed. Layouts are built at their first ``Open``
+only, so a layout no engine uses any more costs no shared memory. At most ``max_layouts`` are
+served at once. A data directory of the one-layout daemon (``namespace.json`` and ``lmdb/``
+at its top) is moved into its layout's directory at start.
 """
 
 from __future__ import annotations
