@@ -175,6 +175,11 @@ class WorkerSide:
         self._held -= sending
         return sending, recving
 
+    @property
+    def deferred_stores(self) -> int:
+        """Steps' stores handed over and not started yet (they start with the next step)."""
+        return len(self._deferred)
+
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
