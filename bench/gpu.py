@@ -1,8 +1,10 @@
 """``kvtier bench gpu``: PCIe ceiling, kvtier's copy rates against it, TTFT and zero-reuse cost.
 
 Needs a CUDA device; without one it says so and exits with status 2. Every rate is printed
-beside the ceiling measured in the same run: ``h2d_ratio`` and ``d2h_ratio`` are kvtier's
-``CopyEngine`` rates for 2 MiB blocks over the pinned-memcpy rates of the same direction.
+beside the ceiling measured in the same run. ``connector_*`` keys measure the vLLM
+connector's path (vLLM's ``BLHNC`` tensors, scattered ids, the daemon's arena, a busy compute
+stream; ``connector_lbhnc_*`` the same through the staging ring); ``h2d_ratio`` and
+``d2h_ratio`` are the reference pool's ``CopyEngine`` over the pinned-memcpy ceiling.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 
 import torch
 
-from kvtier.bench.gpu_copy import copy_engine_rates, pcie_ceiling
+from kvtier.bench.gpu_connector import connector_rates, step_cost
+from kvtier.bench.gpu_copy import VLLM_LIKE_LAYOUT, copy_engine_rates, pcie_ceiling
 from kvtier.bench.gpu_engine import BLOCK_SIZE, measure_ttft, measure_zero_reuse
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import Decoder
@@ -33,6 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pcie-mib", type=int, default=1024, help="bytes per ceiling copy")
     parser.add_argument("--copy-blocks", type=int, default=256, help="2 MiB blocks per batch")
     parser.add_argument("--iters", type=int, default=5, help="repeats; the best one counts")
+    parser.add_argument(
+        "--connector-blocks", type=int, default=1024, help="2 MiB blocks of vLLM-shaped KV"
+    )
+    parser.add_argument(
+        "--connector-batch", type=int, default=256, help="scattered blocks per transfer"
+    )
+    parser.add_argument("--steps", type=int, default=40, help="serving steps for step costs")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="compute per step")
+    parser.add_argument("--step-blocks", type=int, default=32, help="blocks stored per step")
     parser.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -58,6 +70,20 @@ def run(args: argparse.Namespace) -> int:
     logger.info("measuring on %s", device)
     ceiling = pcie_ceiling(args.pcie_mib << 20, args.iters)
     rates = copy_engine_rates(args.copy_blocks, args.iters)
+    layout = VLLM_LIKE_LAYOUT
+    path = {
+        order: connector_rates(
+            layout,
+            order,
+            args.connector_blocks,
+            args.connector_batch,
+            args.iters,
+            ceiling.d2h_gbps,
+        )
+        for order in ("BLHNC", "LBHNC")
+    }
+    steps = step_cost(layout, args.connector_blocks, args.step_blocks, args.steps, args.step_ms)
+    blhnc, lbhnc = path["BLHNC"], path["LBHNC"]
     config = MODELS[args.model]()
     model = Decoder(config, "cuda")
     chunk_blocks = max(args.chunk_tokens // BLOCK_SIZE, 1)
@@ -82,6 +108,25 @@ def run(args: argparse.Namespace) -> int:
         "h2d_ratio": round(rates.h2d_gbps / ceiling.h2d_gbps, 3),
         "d2h_ratio": round(rates.d2h_gbps / ceiling.d2h_gbps, 3),
         "copy_round_trip_exact": rates.round_trip_exact,
+        "connector_d2h_gbps": round(blhnc.d2h_gbps, 2),
+        "connector_h2d_gbps": round(blhnc.h2d_gbps, 2),
+        "connector_d2h_ratio": round(blhnc.d2h_gbps / ceiling.d2h_gbps, 3),
+        "connector_h2d_ratio": round(blhnc.h2d_gbps / ceiling.h2d_gbps, 3),
+        "connector_bidir_gbps": round(blhnc.bidir_gbps, 2),
+        "connector_bidir_ratio": round(blhnc.bidir_gbps / ceiling.bidir_gbps, 3),
+        "connector_round_trip_exact": blhnc.round_trip_exact and lbhnc.round_trip_exact,
+        "connector_arena_pinned": blhnc.host_pinned and lbhnc.host_pinned,
+        "staging_bytes": blhnc.staging_bytes,
+        "connector_lbhnc_d2h_gbps": round(lbhnc.d2h_gbps, 2),
+        "connector_lbhnc_h2d_gbps": round(lbhnc.h2d_gbps, 2),
+        "connector_lbhnc_d2h_ratio": round(lbhnc.d2h_gbps / ceiling.d2h_gbps, 3),
+        "connector_lbhnc_h2d_ratio": round(lbhnc.h2d_gbps / ceiling.h2d_gbps, 3),
+        "connector_lbhnc_bidir_gbps": round(lbhnc.bidir_gbps, 2),
+        "lbhnc_staging_bytes": lbhnc.staging_bytes,
+        "engine_thread_sync_ms": round(steps.sync_ms, 4),
+        "step_ms_connector_off": round(steps.step_ms_off, 3),
+        "step_ms_connector_on": round(steps.step_ms_on, 3),
+        "step_overhead_zero_reuse": round(steps.overhead, 4),
         "model": config.model_id,
         "model_params": config.num_params,
         "prompt_tokens": ttft.prompt_tokens,
@@ -105,10 +150,25 @@ def run(args: argparse.Namespace) -> int:
         f"D2H {out['pcie_d2h_gbps']} GB/s, both at once {out['pcie_bidir_gbps']} GB/s"
     )
     print(
-        f"kvtier CopyEngine, {rates.blocks} x {rates.block_bytes >> 20} MiB blocks from 32 "
-        f"per-layer tensors: H2D {out['copy_h2d_gbps']} GB/s ({out['h2d_ratio']:.0%} of "
-        f"ceiling), D2H {out['copy_d2h_gbps']} GB/s ({out['d2h_ratio']:.0%}); round trip "
-        f"exact: {rates.round_trip_exact}"
+        f"kvtier pool CopyEngine, {rates.blocks} x {rates.block_bytes >> 20} MiB blocks: "
+        f"H2D {out['copy_h2d_gbps']} GB/s ({out['h2d_ratio']:.0%} of ceiling), "
+        f"D2H {out['copy_d2h_gbps']} GB/s ({out['d2h_ratio']:.0%}); "
+        f"round trip exact: {rates.round_trip_exact}"
+    )
+    for name, r in (("BLHNC, one DMA per run", blhnc), ("LBHNC, staging ring", lbhnc)):
+        print(
+            f"connector path ({name}), {args.connector_batch} scattered 2 MiB blocks, busy "
+            f"GPU: D2H {r.d2h_gbps:.2f} GB/s ({r.d2h_gbps / ceiling.d2h_gbps:.0%}), H2D "
+            f"{r.h2d_gbps:.2f} GB/s ({r.h2d_gbps / ceiling.h2d_gbps:.0%}), both at once "
+            f"{r.bidir_gbps:.2f} GB/s ({r.bidir_gbps / ceiling.bidir_gbps:.0%} of "
+            f"{ceiling.bidir_gbps:.2f}); GPU staging {r.staging_bytes} B; exact: "
+            f"{r.round_trip_exact}; arena page-locked: {r.host_pinned}"
+        )
+    print(
+        f"serving steps of {args.step_ms} ms, {args.step_blocks} blocks stored per step: "
+        f"engine thread inside kvtier {out['engine_thread_sync_ms']} ms/step, step time "
+        f"{out['step_ms_connector_off']} ms off, {out['step_ms_connector_on']} ms on "
+        f"({out['step_overhead_zero_reuse']:+.1%})"
     )
     print(
         f"TTFT, {ttft.prompt_tokens}-token prompt, {config.num_params / 1e9:.2f}B-param model: "

@@ -1,10 +1,11 @@
-"""PCIe ceiling and kvtier's block copy rates on a CUDA device, for ``kvtier bench gpu``.
+"""PCIe ceiling and kvtier's pool copy rates on a CUDA device, for ``kvtier bench gpu``.
 
 The ceiling is a large pinned ``cudaMemcpyAsync`` each way, then both ways at once on two
-streams. kvtier's rates are ``CopyEngine`` stores (GPU→host) and loads (host→GPU) of 2 MiB
-blocks whose bytes live in per-layer tensors shaped as vLLM's flash-attention caches
-(``[2, blocks, 16, 8, 128]`` bf16 in each of 32 layers, a Llama-3-8B-like layout), so every
-copy also gathers or scatters 32 K/V pieces per block as a real engine's would.
+streams. The pool's rates are ``CopyEngine`` stores (GPU→host) and loads (host→GPU) of
+consecutive 2 MiB blocks (a Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16) in
+kvtier's own pool, whose buffer is in the canonical ``BLHNC`` order, into an in-process host
+tier's slab. The connector's path (vLLM's tensors, scattered ids, the daemon's arena, a busy
+GPU) is ``gpu_connector``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from kvtier.bench.limits import best_seconds
 from kvtier.tiers.copy_engine import CopyEngine
+from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.pinned import allocate_host
 
@@ -41,7 +43,7 @@ class CopyRates:
     round_trip_exact: bool
 
 
-def _best_seconds(fn: Callable[[], None], iters: int) -> float:
+def best_device_seconds(fn: Callable[[], None], iters: int) -> float:
     """Fastest of ``iters`` runs of ``fn`` through to the device's last kernel, after a warm-up."""
 
     def synchronized() -> None:
@@ -74,24 +76,26 @@ def pcie_ceiling(num_bytes: int, iters: int) -> PcieCeiling:
 
     gb = num_bytes / 1e9
     return PcieCeiling(
-        h2d_gbps=gb / _best_seconds(h2d, iters),
-        d2h_gbps=gb / _best_seconds(d2h, iters),
-        bidir_gbps=2 * gb / _best_seconds(both, iters),
+        h2d_gbps=gb / best_device_seconds(h2d, iters),
+        d2h_gbps=gb / best_device_seconds(d2h, iters),
+        bidir_gbps=2 * gb / best_device_seconds(both, iters),
     )
 
 
 def copy_engine_rates(
     num_blocks: int, iters: int, layout: KVLayout = VLLM_LIKE_LAYOUT
 ) -> CopyRates:
-    """GB/s of ``num_blocks``-block stores and loads through kvtier's ``CopyEngine``."""
+    """GB/s of ``num_blocks``-block stores and loads through the reference pool's engine."""
+    placement = KVPlacement.allocate(layout, num_blocks, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kv = [
-        torch.randn(layout.layer_shape(num_blocks), generator=gen, device="cuda").to(layout.dtype)
-        for _ in range(layout.num_layers)
-    ]
-    original = [t.clone() for t in kv]
-    slab = allocate_host(num_blocks * layout.block_bytes, pin=True).view(num_blocks, -1)
-    engine = CopyEngine(layout, kv, slab)
+    placement.buffer.copy_(
+        torch.randint(
+            0, 256, placement.buffer.shape, dtype=torch.uint8, device="cuda", generator=gen
+        )
+    )
+    original = placement.buffer.clone()
+    slab = allocate_host(num_blocks * layout.block_bytes).view(num_blocks, -1)
+    engine = CopyEngine(placement, slab)
     ids = list(range(num_blocks))
 
     def store() -> None:
@@ -103,9 +107,9 @@ def copy_engine_rates(
         engine.synchronize()
 
     gb = num_blocks * layout.block_bytes / 1e9
-    d2h = gb / _best_seconds(store, iters)
-    for t in kv:
-        t.zero_()
-    h2d = gb / _best_seconds(load, iters)
-    exact = all(torch.equal(a, b) for a, b in zip(kv, original, strict=True))
+    d2h = gb / best_device_seconds(store, iters)
+    placement.buffer.zero_()
+    h2d = gb / best_device_seconds(load, iters)
+    exact = torch.equal(placement.buffer, original)
+    engine.close()
     return CopyRates(d2h, h2d, layout.block_bytes, num_blocks, exact)

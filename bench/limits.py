@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.tiers.copy_engine import copy_rows
+from kvtier.tiers.host_copy import copy_rows
 
 GB = 1e9
 

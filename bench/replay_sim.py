@@ -85,12 +85,10 @@ class _Running:
 
 
 def block_patterns(hashes: Sequence[BlockHash], layout: KVLayout) -> torch.Tensor:
-    """Each block's bytes, its hash repeated: ``[n, kv_parts, block_size, heads, d]`` of layout."""
+    """Each block's bytes, its hash repeated: uint8 ``[n, block_bytes]`` canonical blocks."""
     reps = layout.block_bytes // len(hashes[0])
     raw = bytearray(b"".join(h * reps for h in hashes))
-    return torch.frombuffer(raw, dtype=torch.uint8).view(
-        len(hashes), layout.kv_parts, *layout.layer_shape(1)[2:]
-    )
+    return torch.frombuffer(raw, dtype=torch.uint8).view(len(hashes), layout.block_bytes)
 
 
 def oracle_saved_tokens(requests: Sequence[TraceRequest], hashes: Sequence[list[BlockHash]]) -> int:
@@ -147,7 +145,7 @@ def _run(
     label: str,
 ) -> RunResult:
     pool, cache, layout = stack.pool, stack.cache, stack.layout
-    kv = stack.kv_caches[0]
+    kv = stack.placement
     bs = layout.block_size
     result = RunResult(requests=len(requests))
     running: list[_Running] = []
@@ -177,7 +175,8 @@ def _run(
         if loaded:
             ids = torch.tensor([b.block_id for b in loaded])
             want = block_patterns(hs[claimed.gpu_hits : len(claimed.blocks)], layout)
-            got = kv.index_select(1, ids).transpose(0, 1)
+            got = torch.empty_like(want)
+            kv.gather(ids, got)
             result.corrupt_blocks += int((got != want).flatten(1).any(1).sum())
         result.gpu_hit_tokens += claimed.gpu_hits * bs
         result.host_hit_tokens += claimed.host_hits * bs
@@ -186,7 +185,7 @@ def _run(
         computed = range(len(claimed.blocks), len(hs))
         if computed:
             ids = torch.tensor([blocks[i].block_id for i in computed])
-            kv.index_copy_(1, ids, block_patterns(hs[computed.start :], layout).transpose(0, 1))
+            kv.scatter(block_patterns(hs[computed.start :], layout), ids)
         pool.cache_full_blocks(blocks[: len(hs)], hs)
         finish = now + request.output_length * ms_per_output_token
         heapq.heappush(running, _Running(finish, seq_no, blocks))

@@ -18,10 +18,10 @@ import time
 import torch
 
 from kvtier.bench.limits import GB, best_seconds, drop_page_cache, memcpy_gbps, raw_disk_gbps
-from kvtier.tiers.copy_engine import copy_rows
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.host_copy import copy_rows
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.pinned import allocate_host
 

@@ -1,13 +1,13 @@
-"""vLLM's paged KV tensors seen as kvtier ``KVLayout`` tensors.
+"""vLLM's paged KV cache seen by kvtier: the block layout and where vLLM put its pages.
 
-vLLM hands the connector one view per layer with the logical shape
-``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]`` (K and V side by side in
-the last axis) over one shared int8 buffer, with strides from the resolved ``KVCacheLayout``.
-Splitting the last axis into ``(2, head_size)`` and permuting gives, without a copy, the 5-D
-``[num_blocks, 2, block_size, num_kv_heads, head_size]`` view that ``KVLayout(block_dim=0)``
-gathers from and scatters into. A block's bytes below the GPU are then kvtier's canonical
-order (per layer: K then V, token-major), whatever physical order vLLM chose, so blocks stay
-interchangeable between engines whose attention backends differ.
+vLLM allocates one flat buffer and hands the connector one view per layer with the logical
+shape ``[num_blocks, num_kv_heads, block_size, head_size + head_size_v]`` (K and V side by
+side in the last axis), with strides from the resolved ``KVCacheLayout``. kvtier asks for the
+block-outermost ``BLHNC``, whose block is exactly kvtier's canonical block: one contiguous run
+that moves as one DMA. A backend that cannot give it (vLLM's CPU backend gives ``LBHNC``)
+makes vLLM fall back; ``kv_placement`` describes any order, and the copy engine then gathers
+through its fixed staging ring (GPU) or row copies (CPU). Blocks stay interchangeable between
+engines whose attention backends differ.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ from collections.abc import Mapping
 
 import torch
 
-from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.layout import BLOCK_ORDER, KVLayout
 
-REQUIRED_KV_CACHE_LAYOUT = "BLHNC"
+REQUIRED_KV_CACHE_LAYOUT = BLOCK_ORDER
 """Block-outermost: every layer of one block is one contiguous run, so a block is read and
-written as one region. Backends that cannot use it make vLLM fall back (with a warning);
-``layer_views`` accepts every layout."""
+written as one region. Backends that cannot use it make vLLM fall back (with a warning)."""
 
 
 def layout_from_kv_cache_config(kv_cache_config) -> tuple[KVLayout, list[str]]:
     """The ``KVLayout`` of one rank's KV cache, and its layer names in layer order.
 
-    Supported: one KV cache group of plain full attention (K and V of the same head size, no
-    quantisation scales, no padded pages). Anything else is refused here, at start-up.
+    Supported: one KV cache group of plain full attention (K and V may differ in head size,
+    pages may be padded; the bytes move as they are). Anything else is refused here, at
+    start-up.
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -41,43 +42,35 @@ def layout_from_kv_cache_config(kv_cache_config) -> tuple[KVLayout, list[str]]:
     kind = type(spec).__name__
     if kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None):
         raise ValueError(f"KVTierConnector supports full attention only, got {kind}")
-    if spec.head_size_v != spec.head_size:
-        raise ValueError(
-            f"KVTierConnector needs K and V of one head size, got {spec.head_size} and "
-            f"{spec.head_size_v}"
-        )
-    if spec.page_size_padded is not None or spec.page_size_bytes != spec.real_page_size_bytes:
-        raise ValueError("KVTierConnector does not support padded or quantised KV pages")
+    packed = getattr(spec, "state_content_bytes", None) is not None or getattr(
+        spec, "num_head_slots", None
+    ) not in (None, spec.num_kv_heads)
+    # 0: plain, 1: FP8 with per-tensor scales (the scales live outside the pages)
+    if packed or int(getattr(spec, "kv_quant_mode", 0)) not in (0, 1):
+        raise ValueError("KVTierConnector does not support packed or per-token quantised pages")
     layout = KVLayout(
         num_layers=len(group.layer_names),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         block_size=spec.block_size,
         dtype=spec.dtype,
-        kv_parts=2,
-        block_dim=0,
+        head_size_v=spec.head_size_v,
+        page_size_padded=spec.page_size_padded,
     )
     return layout, list(group.layer_names)
 
 
-def layer_views(
+def kv_placement(
     layout: KVLayout, kv_caches: Mapping[str, torch.Tensor], layer_names: list[str]
-) -> list[torch.Tensor]:
-    """Per-layer ``layout.layer_shape(num_blocks)`` views over vLLM's tensors (no copy)."""
-    views: list[torch.Tensor] = []
-    heads, block, head = layout.num_kv_heads, layout.block_size, layout.head_size
-    for name in layer_names:
-        cache = kv_caches[name]
-        want = (heads, block, 2 * head)
-        if cache.dim() != 4 or tuple(cache.shape[1:]) != want or cache.dtype != layout.dtype:
-            raise ValueError(
-                f"layer {name}: KV tensor {tuple(cache.shape)} {cache.dtype} is not "
-                f"[blocks, {heads}, {block}, {2 * head}] {layout.dtype} (kernel blocks smaller "
-                "than the cache block size are not supported yet)"
-            )
-        if cache.stride(-1) != 1:
-            raise ValueError(f"layer {name}: the head axis of the KV tensor must be contiguous")
-        # [B, H, N, 2*D] -> [B, H, N, 2, D] -> [B, 2, N, H, D]
-        views.append(cache.unflatten(-1, (2, head)).permute(0, 3, 2, 1, 4))
-    layout.check_tensors(views)
-    return views
+) -> KVPlacement:
+    """Where vLLM's per-layer views put ``layout``'s pages (no copy), with a clear error for
+    views kvtier cannot address (kernel blocks smaller than the cache block, for one)."""
+    missing = [name for name in layer_names if name not in kv_caches]
+    if missing:
+        raise ValueError(f"vLLM registered no KV tensor for layers {missing[:4]}")
+    try:
+        return KVPlacement.from_layer_views(layout, [kv_caches[name] for name in layer_names])
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} (kernel blocks smaller than the cache block size are not supported yet)"
+        ) from exc

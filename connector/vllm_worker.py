@@ -8,33 +8,39 @@ answer is there, and its request is reported in ``finished_recving`` when the co
 Whatever the daemon could not supply (gone, down, checksum miss) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes it.
 
-Stores: at ``wait_for_save``, after the step's forward has been queued, ONE ``Reserve`` per
-step gets slots for the newly full blocks (the daemon answers "already stored" for blocks it
-holds, which are skipped), the copy engine copies them on its store stream after an event
-recorded on the compute stream, and a helper thread commits the slots when the bytes are in.
-Finished requests whose blocks vLLM holds for us are reported in ``finished_sending`` once no
-store reads them any more.
+Stores: at ``wait_for_save`` the step's newly full blocks are queued, and ONE ``Reserve``
+per step asks for their slots on a helper thread (the daemon answers "already stored" for
+blocks it holds, which are skipped). The copy starts at the NEXT step's start
+(``vllm_stores``), on the copy engine's store stream after the compute stream's queued work,
+and a helper thread commits the slots when the bytes are in. Finished requests whose blocks
+vLLM holds for us are reported in ``finished_sending`` once no store reads them any more.
 
-Daemon calls that may wait on the daemon's disk (commit, release) never run on the engine's
-thread; the rest are bounded by the client's deadline and never raise for daemon trouble.
+The copies themselves never make the engine's thread wait for the GPU (``CopyEngine``); the
+arena is page-locked by the copy engine on this thread, under this worker's device. Reserves,
+acquires for async loads and commits run on helper threads (the commit thread never holds up
+a release: releases are sent without waiting); every daemon call is bounded by the client's
+deadline and never raises for daemon trouble.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.connector.vllm_config import KVTierConfig
-from kvtier.connector.vllm_layout import layer_views
+from kvtier.connector.vllm_layout import kv_placement
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm_stats import KVTierStats
-from kvtier.tiers.copy_engine import CopyEngine, Transfer
+from kvtier.connector.vllm_stores import PendingStore, StoreQueue
+from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.host import ALREADY_STORED
 from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.transfer import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +70,12 @@ class WorkerSide:
             )
         self.stats = KVTierStats()
         self.engine: CopyEngine | None = None
-        # Acquire answers for async loads; releases and commits, which may wait on the disk.
+        # Acquire answers for async loads; reserves for deferred stores; commits.
         self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-acquire")
+        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-reserve")
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-commit")
         self._async_loads: dict[str, _AsyncLoad] = {}
+        self._deferred = StoreQueue(self.client.reserve, self._reserver)
         self._stores_in_flight: list[Transfer] = []
         self._storing: Counter[str] = Counter()
         self._held: set[str] = set()
@@ -77,20 +85,25 @@ class WorkerSide:
     # ---- set-up and teardown ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        views = layer_views(self.layout, kv_caches, self.layer_names)
-        self.engine = CopyEngine(self.layout, views, self.client.slab)
+        placement = kv_placement(self.layout, kv_caches, self.layer_names)
+        self.engine = CopyEngine(placement, self.client.slab)
         log.info(
-            "kvtier worker %d: %d layers, %d blocks of %d B on %s",
+            "kvtier worker %d: %d layers, %d blocks of %d B on %s (%s), arena %s",
             self.rank,
             self.layout.num_layers,
-            views[0].shape[0],
+            placement.num_blocks,
             self.layout.block_bytes,
-            views[0].device,
+            placement.device,
+            "one DMA per block" if placement.block_contiguous else "staged",
+            "page-locked" if self.engine.host_pinned else "not locked yet",
         )
 
     def drain(self) -> None:
-        """Waits until every copy has landed and every commit and release has been answered."""
+        """Starts every deferred store, then waits until every copy has landed and every
+        commit and release has been answered."""
         if self.engine is not None:
+            for store, slots in self._deferred.take_all():
+                self._copy_out(store, slots)
             self.engine.synchronize()
         self._finisher.submit(lambda: None).result()
         self.client.settle()
@@ -113,18 +126,24 @@ class WorkerSide:
         self._async_loads.clear()
         self.drain()
         self._acquirer.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
+        if self.engine is not None:
+            self.engine.close()  # unlocks the arena before the client unmaps it
         self.client.close()
 
     # ---- the step ----
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        """Orders this step's work after stores still reading blocks vLLM just freed."""
+        """Starts the previous steps' stores (those of preempted requests without fail), and
+        orders this step's work after stores still reading blocks vLLM just freed."""
+        self._start_stores(meta.preempted)
         if meta.preempted:
             for transfer in self._stores_in_flight:
                 transfer.order_before()
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
+        self._start_stores()
         for spec in meta.loads:
             if spec.sync:
                 self._load_now(spec)
@@ -135,9 +154,10 @@ class WorkerSide:
                 )
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
+        """Queues this step's stores; their copies start with the next step."""
         self._held |= meta.hold
         if meta.stores:
-            self._store(meta.stores)
+            self._queue_stores(meta.stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) as of now; never blocks on a copy."""
@@ -153,6 +173,11 @@ class WorkerSide:
         sending = {req_id for req_id in self._held if not self._storing[req_id]}
         self._held -= sending
         return sending, recving
+
+    @property
+    def deferred_stores(self) -> int:
+        """Steps' stores handed over and not started yet (they start with the next step)."""
+        return len(self._deferred)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -205,7 +230,7 @@ class WorkerSide:
         self.stats.add("loaded_bytes", n * self.layout.block_bytes)
 
         def done() -> None:
-            self._finisher.submit(self.client.release, slots)
+            self.client.release(slots)  # sent without waiting: never behind a commit
             if landed is not None:
                 landed.landed = True
 
@@ -213,42 +238,56 @@ class WorkerSide:
 
     def _release(self, slots: list[int]) -> None:
         if slots:
-            self._finisher.submit(self.client.release, slots)
+            self.client.release(slots)
 
     # ---- stores ----
 
-    def _store(self, specs: list[StoreSpec]) -> None:
+    def _queue_stores(self, specs: list[StoreSpec]) -> None:
         hashes: list[bytes] = []
-        parents: list[bytes] = []
         block_ids: list[int] = []
         owners: list[str] = []
         for spec in specs:
             mine = unpack(spec.hashes[self.rank])
             hashes += mine
-            parents += unpack(spec.parents[self.rank])
             block_ids += spec.block_ids
             owners += [spec.req_id] * len(mine)
-        slots = self.client.reserve(hashes)
+        self._storing.update(owners)  # their requests stay held until the copies land
+        self._deferred.add(hashes, [], block_ids, owners)
+
+    def _start_stores(self, must: Collection[str] = ()) -> None:
+        """Copies the deferred stores whose slots are reserved (waits only for ``must``'s)."""
+        if self.engine is None:
+            return
+        for store, slots in self._deferred.take_ready(must):
+            self._copy_out(store, slots)
+
+    def _copy_out(self, store: PendingStore, slots: list[int]) -> None:
         picked = [i for i, slot in enumerate(slots) if slot >= 0]
         deduped = sum(1 for slot in slots if slot == ALREADY_STORED)
         self.stats.add("deduplicated_blocks", deduped)
         self.stats.add("store_failed_blocks", len(slots) - deduped - len(picked))
+        self._stored(Counter(store.owners[i] for i, slot in enumerate(slots) if slot < 0))
         if not picked:
             return
         mine_slots = [slots[i] for i in picked]
-        readers = Counter(owners[i] for i in picked)
-        self._storing.update(readers)
+        readers = Counter(store.owners[i] for i in picked)
 
         def done() -> None:
             self._finisher.submit(self._commit, mine_slots)
-            for req_id, n in readers.items():
-                self._storing[req_id] -= n
-                if not self._storing[req_id]:
-                    del self._storing[req_id]
+            self._stored(readers)
 
-        transfer = self.engine.store([block_ids[i] for i in picked], mine_slots, callback=done)
+        transfer = self.engine.store(
+            [store.block_ids[i] for i in picked], mine_slots, callback=done
+        )
         if not transfer.done():
             self._stores_in_flight.append(transfer)
+
+    def _stored(self, blocks: Counter[str]) -> None:
+        """Blocks no store reads any more, by request."""
+        for req_id, n in blocks.items():
+            self._storing[req_id] -= n
+            if not self._storing[req_id]:
+                del self._storing[req_id]
 
     def _commit(self, slots: list[int]) -> None:
         """Runs on the committer thread; the engine thread counts the outcome."""

@@ -79,7 +79,7 @@ class ModelConfig:
         return self.num_layers * per_layer + 2 * self.vocab_size * h + h
 
     def kv_layout(self, block_size: int) -> KVLayout:
-        """This model's paged KV: one ``[2, blocks, block_size, kv_heads, d]`` tensor per layer."""
+        """This model's KV block: every layer's ``[kv_heads, block_size, K then V]`` page."""
         return KVLayout(
             num_layers=self.num_layers,
             num_kv_heads=self.num_kv_heads,

@@ -67,16 +67,14 @@ class Engine:
         want = model.config.kv_layout(stack.layout.block_size)
         if stack.layout != want:
             raise ValueError(f"tier stack layout {stack.layout} is not the model's {want}")
-        if stack.kv_caches[0].device != model.device:
-            raise ValueError(
-                f"KV on {stack.kv_caches[0].device} but the model is on {model.device}"
-            )
+        if _concrete(stack.placement.device) != _concrete(model.device):
+            raise ValueError(f"KV on {stack.placement.device} but the model is on {model.device}")
         self.model = model
         self.stack = stack
         self.block_size = stack.layout.block_size
         self.chunk_blocks = chunk_blocks
         self.namespace = Namespace(model.config.model_id, stack.layout.signature)
-        self.kv = PagedKV(stack.layout, stack.kv_caches)
+        self.kv = PagedKV(stack.placement)
 
     @property
     def chunk_tokens(self) -> int:
@@ -180,3 +178,10 @@ class Engine:
         positions = torch.arange(start, end, dtype=torch.long, device=device)
         table = torch.tensor([b.block_id for b in seq.blocks], dtype=torch.long, device=device)
         return self.model.forward(tokens, positions, self.kv.attend_fn(table, positions, start))
+
+
+def _concrete(device: torch.device) -> torch.device:
+    """``cuda`` names the current CUDA device; tensors always carry its index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

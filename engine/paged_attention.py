@@ -13,7 +13,7 @@ import math
 import torch
 
 from kvtier.engine.model import AttendFn
-from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.kv_placement import KVPlacement
 
 
 def causal_attention(
@@ -40,18 +40,19 @@ def causal_attention(
 
 
 class PagedKV:
-    """Reads and writes token rows of a sequence's blocks in per-layer KV tensors.
+    """Reads and writes token rows of a sequence's blocks in kvtier's KV buffer.
 
-    The tensors follow ``layout`` with ``block_dim=1``: ``[2, num_blocks, block_size,
-    kv_heads, d]``, K at index 0 and V at index 1.
+    The buffer is in the canonical block order (``KVPlacement.allocate``), so every block the
+    engine writes is one contiguous run that spills and loads as one copy. Each layer is seen
+    as ``[num_blocks, kv_heads, block_size, 2 * d]``: per head and token, K then V.
     """
 
-    def __init__(self, layout: KVLayout, kv_caches: list[torch.Tensor]):
-        if layout.block_dim != 1 or layout.kv_parts != 2:
-            raise ValueError("the reference engine needs K and V parts with block_dim=1")
-        layout.check_tensors(kv_caches)
+    def __init__(self, placement: KVPlacement):
+        layout = placement.layout
+        if layout.is_mla or layout.head_size_v != layout.head_size:
+            raise ValueError("the reference engine needs K and V of one head size")
         self.layout = layout
-        self.kv_caches = kv_caches
+        self.caches = placement.layer_views()
 
     def write(
         self,
@@ -62,24 +63,22 @@ class PagedKV:
         v: torch.Tensor,
     ) -> None:
         """Stores rows ``k``, ``v`` (``[T, kv_heads, d]``) at their tokens' positions."""
-        bs = self.layout.block_size
+        bs, d = self.layout.block_size, self.layout.head_size
         blocks = block_table.index_select(0, positions // bs)
         offsets = positions % bs
-        cache = self.kv_caches[layer]
-        cache[0, blocks, offsets] = k
-        cache[1, blocks, offsets] = v
+        cache = self.caches[layer]
+        cache[blocks, :, offsets, :d] = k
+        cache[blocks, :, offsets, d:] = v
 
     def read(
         self, layer: int, block_table: torch.Tensor, num_tokens: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_tokens, kv_heads, d]`` of the sequence's first tokens."""
-        bs = self.layout.block_size
+        bs, d = self.layout.block_size, self.layout.head_size
         ids = block_table[: -(-num_tokens // bs)]
-        cache = self.kv_caches[layer]
-        shape = (-1, self.layout.num_kv_heads, self.layout.head_size)
-        k = cache[0].index_select(0, ids).reshape(shape)[:num_tokens]
-        v = cache[1].index_select(0, ids).reshape(shape)[:num_tokens]
-        return k, v
+        pages = self.caches[layer].index_select(0, ids)  # [n, heads, tokens, 2d]
+        rows = pages.transpose(1, 2).reshape(-1, self.layout.num_kv_heads, 2 * d)[:num_tokens]
+        return rows[..., :d].contiguous(), rows[..., d:].contiguous()
 
     def attend_fn(self, block_table: torch.Tensor, positions: torch.Tensor, start: int) -> AttendFn:
         """An ``AttendFn`` for a chunk of consecutive positions beginning at ``start``."""

@@ -8,7 +8,9 @@ import torch
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.pinned import is_registered
 from kvtier.tiers.stack import build_local_stack
 
 pytestmark = pytest.mark.cuda
@@ -16,15 +18,27 @@ pytestmark = pytest.mark.cuda
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_size=64, block_size=16, dtype=torch.bfloat16)
 
 
-def test_host_slab_is_pinned():
-    host = HostTier(LAYOUT.block_bytes, 4 * LAYOUT.block_bytes)
-    assert host.slab.is_pinned()
+def test_host_slab_is_exact_and_locked_by_the_engine():
+    """Defect 6: pin_memory=True went through the caching host allocator (power-of-two)."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats() if stats else {}
+    host = HostTier(LAYOUT.block_bytes, 5 * LAYOUT.block_bytes)
+    if stats:
+        assert stats().get("allocated_bytes.all.current", 0) == before.get(
+            "allocated_bytes.all.current", 0
+        )
+    assert host.slab.numel() == 5 * LAYOUT.block_bytes and not host.slab.is_pinned()
+    engine = CopyEngine(KVPlacement.allocate(LAYOUT, 4, "cuda"), host.slab)
+    assert engine.host_pinned and host.slab.is_pinned() and is_registered(host.slab)
+    engine.close()
+    assert not is_registered(host.slab)
 
 
 def test_store_waits_for_compute_stream_and_load_hands_back_an_event():
-    kv = LAYOUT.allocate(8, "cuda")
+    placement = KVPlacement.allocate(LAYOUT, 8, "cuda")
+    kv = placement.layer_views()
     host = HostTier(LAYOUT.block_bytes, 8 * LAYOUT.block_bytes)
-    engine = CopyEngine(LAYOUT, kv, host.slab)
+    engine = CopyEngine(placement, host.slab)
     slots = host.reserve([bytes([i]) * 16 for i in range(4)])
     # A long kernel queue on the compute stream writes the KV; the store must see its result.
     for _ in range(50):
@@ -34,15 +48,15 @@ def test_store_waits_for_compute_stream_and_load_hands_back_an_event():
     done.wait()
     engine.poll()
     want = torch.empty((4, LAYOUT.block_bytes), dtype=torch.uint8, device="cuda")
-    LAYOUT.gather(kv, torch.arange(4, device="cuda"), want)
+    placement.gather(torch.arange(4, device="cuda"), want)
     assert torch.equal(host.slab[slots].cuda(), want)
 
     acquired = host.acquire([bytes([i]) * 16 for i in range(4)])
     load = engine.load(acquired, [4, 5, 6, 7], callback=lambda: host.release(acquired))
     load.order_before()
     for t in kv:
-        assert torch.equal(t[:, 4:8], t[:, 0:4])
-    engine.synchronize()
+        assert torch.equal(t[4:8], t[0:4])
+    engine.close()
 
 
 def test_spill_and_walk_back_on_gpu(tmp_path):
@@ -63,8 +77,8 @@ def test_spill_and_walk_back_on_gpu(tmp_path):
             for transfer in stack.pool.pending_reads(blocks):
                 transfer.order_before()
             for b, h in zip(blocks, hashes, strict=True):
-                for t in stack.kv_caches:
-                    t[:, b.block_id].fill_(float(int.from_bytes(h[:2], "little") % 97))
+                for t in stack.placement.layer_views():
+                    t[b.block_id].fill_(float(int.from_bytes(h[:2], "little") % 97))
                 expected[h] = float(int.from_bytes(h[:2], "little") % 97)
             stack.pool.cache_full_blocks(blocks, hashes)
             stack.pool.free_blocks(reversed(blocks))
@@ -73,6 +87,6 @@ def test_spill_and_walk_back_on_gpu(tmp_path):
         claimed = stack.cache.claim(match)
         claimed.transfer.order_before()
         for b, h in zip(claimed.blocks, requests[0], strict=True):
-            assert bool((stack.kv_caches[0][:, b.block_id] == expected[h]).all())
+            assert bool((stack.placement.layer_views()[0][b.block_id] == expected[h]).all())
     finally:
         stack.close()

@@ -10,6 +10,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import Decoder
 from kvtier.engine.paged_attention import PagedKV, causal_attention
+from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.stack import build_stack
 
 BLOCK = 16
@@ -65,15 +66,23 @@ def test_causal_attention_matches_sdpa():
 
 def test_paged_kv_round_trip():
     layout = CONFIG.kv_layout(4)
-    kv = PagedKV(layout, layout.allocate(6))
+    placement = KVPlacement.allocate(layout, 6)
+    kv = PagedKV(placement)
     table = torch.tensor([5, 2, 0])
     k = torch.randn(10, CONFIG.num_kv_heads, CONFIG.head_size)
     v = torch.randn(10, CONFIG.num_kv_heads, CONFIG.head_size)
     kv.write(1, table, torch.arange(10), k, v)
     keys, values = kv.read(1, table, 10)
     assert torch.equal(keys, k) and torch.equal(values, v)
-    assert torch.equal(kv.kv_caches[1][0, 2], k[4:8])
-    assert not kv.kv_caches[0].any()
+    # Token 5 of the sequence is token 1 of block 2: its K then V, per head.
+    d = CONFIG.head_size
+    assert torch.equal(kv.caches[1][2, :, 1, :d], k[5])
+    assert torch.equal(kv.caches[1][2, :, 1, d:], v[5])
+    assert not kv.caches[0].any()
+    # The block is one contiguous run in the canonical order: layer, head, token, K then V.
+    block = placement.buffer[placement.block_offset(2) :][: layout.block_bytes]
+    rows = layout.block_view(block.view(1, -1))[0]
+    assert torch.equal(rows[1, :, 1, :d], k[5])
 
 
 def test_generate_matches_dense_reference(model: Decoder):

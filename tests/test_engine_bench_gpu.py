@@ -48,6 +48,14 @@ def test_small_run_on_gpu(capsys):
         "256",
         "--overhead-decode-steps",
         "4",
+        "--connector-blocks",
+        "48",
+        "--connector-batch",
+        "16",
+        "--steps",
+        "4",
+        "--step-blocks",
+        "4",
     ]
     assert gpu.run(parse(argv)) == 0
     out = json.loads(capsys.readouterr().out)
@@ -60,7 +68,18 @@ def test_small_run_on_gpu(capsys):
         "ttft_host_ms",
         "ttft_disk_ms",
         "zero_reuse_overhead",
+        "connector_d2h_gbps",
+        "connector_h2d_gbps",
+        "connector_d2h_ratio",
+        "connector_h2d_ratio",
+        "connector_bidir_ratio",
+        "connector_lbhnc_d2h_ratio",
+        "engine_thread_sync_ms",
+        "step_overhead_zero_reuse",
     ):
         assert key in out
-    assert out["copy_round_trip_exact"]
+    assert out["copy_round_trip_exact"] and out["connector_round_trip_exact"]
+    assert out["connector_arena_pinned"]
+    assert out["staging_bytes"] == 0  # BLHNC: one DMA per run, no staging
+    assert 0 < out["lbhnc_staging_bytes"] <= (128 << 20) + 4096  # the fixed ring
     assert out["ttft_host_hit_blocks"] == out["ttft_disk_hit_blocks"] == 512 // 16 - 4

@@ -52,7 +52,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.connector.vllm import KVTierConnector
 from kvtier.connector.vllm_config import KVTierConfig
+from kvtier.connector.vllm_layout import kv_placement, layout_from_kv_cache_config
 from kvtier.connector.vllm_metadata import KVTierMetadata
+from kvtier.tiers.kv_placement import KVPlacement
 
 from daemonutil import Daemon
 
@@ -587,3 +589,36 @@ def test_vllm_stats_and_metrics_carry_tier_hits(make_engine) -> None:
     labels = {"model_name": "tiny", "engine": "0"}
     value = registry.get_sample_value("vllm:kvtier_host_hit_tokens_total", labels)
     assert value == 3 * BLOCK
+
+
+@pytest.mark.parametrize("kv_layout", ["BLHNC", "LBHNC", "LBNHC"])
+def test_placement_reads_vllms_own_allocation(make_engine, kv_layout) -> None:
+    engine = make_engine(kv_layout=kv_layout)
+    layout, names = layout_from_kv_cache_config(engine.kv_cache_config)
+    seen = kv_placement(layout, engine.kv_caches, names)
+    assert seen.block_contiguous == (kv_layout == "BLHNC")
+    # kvtier's own allocation (the reference engine's pool, the GPU bench) is vLLM's, byte
+    # for byte: the same strides for the same order.
+    made = KVPlacement.allocate(layout, seen.num_blocks, order=kv_layout)
+    strides = ("offset", "layer_stride", "block_stride", "head_stride", "token_stride")
+    assert [getattr(seen, s) for s in strides] == [getattr(made, s) for s in strides]
+    # Block 3's canonical bytes are its [layer][head][token][K V] cells, in that order.
+    values = torch.arange(2 * KV_HEADS * BLOCK * 2 * HEAD, dtype=torch.float16)
+    for layer, name in enumerate(names):
+        cells = values.view(2, KV_HEADS, BLOCK, 2 * HEAD)[layer]
+        engine.kv_caches[name][3] = cells
+    rows = torch.empty((1, layout.block_bytes), dtype=torch.uint8)
+    seen.gather(torch.tensor([3]), rows)
+    assert torch.equal(rows.view(torch.float16)[0], values)
+
+
+def test_stores_start_with_the_next_step(make_engine) -> None:
+    engine = make_engine()
+    worker = engine.worker.worker
+    engine.add([*prompt(15, 3 * BLOCK), 1], "a", max_tokens=4)
+    engine.step()  # computes the prompt: its three full blocks are handed over to store
+    assert worker.deferred_stores == 1 and worker.engine.in_flight == 0
+    assert "stored_blocks" not in engine.stats
+    engine.run()
+    assert worker.deferred_stores == 0
+    assert engine.stats["stored_blocks"] == 3

@@ -17,7 +17,7 @@ def block_content(block_hash: bytes, block_bytes: int) -> torch.Tensor:
 def read_blocks(stack: TierStack, blocks: list[KVBlock]) -> torch.Tensor:
     ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
     out = torch.empty((len(blocks), stack.layout.block_bytes), dtype=torch.uint8)
-    stack.layout.gather(stack.kv_caches, ids, out)
+    stack.placement.gather(ids, out)
     return out
 
 
@@ -29,7 +29,7 @@ def compute_blocks(stack: TierStack, blocks: list[KVBlock], hashes: list[bytes])
         transfer.wait()
     ids = torch.tensor([b.block_id for b in blocks], dtype=torch.long)
     src = torch.stack([block_content(h, stack.layout.block_bytes) for h in hashes])
-    stack.layout.scatter(src, stack.kv_caches, ids)
+    stack.placement.scatter(src, ids)
     stack.pool.cache_full_blocks(blocks, hashes)
 
 

@@ -1,164 +1,143 @@
-"""Block copies between an engine's per-layer KV tensors and host slots.
+"""Block copies between an engine's KV buffer and host slots, on any device.
 
-On CUDA every copy runs on a dedicated stream (one for stores, one for loads) and is ordered by
-events: a store first waits for an event recorded on the compute stream, so it reads the KV the
-engine wrote; a load hands back a ``Transfer`` whose event the engine waits on before attention
-reads the blocks. A store gathers the blocks on the GPU into one contiguous staging buffer and
-moves each 2 MiB-ish block to its slot with one DMA, rather than one small copy per layer.
-On a CPU-only machine the same API copies synchronously and every transfer is done at once.
+``CopyEngine`` is the one path every GPU-side user takes (the reference engine's pool, the
+fall-through walk, the vLLM connector's worker). A store copies blocks into slots after the
+work already queued on the compute stream; a load copies slots into blocks and hands back a
+``Transfer`` whose event the engine waits on before attention reads them. On CUDA the copies
+run on side streams (``cuda_copy``), on a CPU synchronously (``host_copy``); the planning is
+the same (``copy_plan``).
 
-Completed transfers run their callbacks (commit the stored slots, release the read ones) from
-``poll()``, which never blocks; events return to a pool for reuse.
+The engine locks (``cudaHostRegister``) the slab it copies through on first use, on the
+calling (engine) thread and under the KV buffer's device. The slab tensor may be re-pointed
+(``set_``) at a new mapping between transfers, as the daemon client does when the daemon
+restarts; the engine reads it afresh for every transfer, unlocks the old mapping and locks
+the new one. Completed transfers run their callbacks (commit the stored slots, release the
+read ones) from ``poll()``, which never blocks, in order per direction.
 """
 
 from __future__ import annotations
 
-import functools
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import logging
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
+from kvtier.tiers import host_copy
+from kvtier.tiers.copy_plan import check_pairs, plan_runs
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.pinned import (
+    MAX_REGISTER_BYTES,
+    is_registered,
+    register_host,
+    registration_chunk,
+    unregister_host,
+)
+from kvtier.tiers.transfer import Callback, CompletionQueue, Transfer
 
-Callback = Callable[[], None]
+logger = logging.getLogger(__name__)
 
-
-def copy_rows(
-    dst: np.ndarray, dst_rows: Iterable[int], src: np.ndarray, src_rows: Iterable[int]
-) -> None:
-    """Copies whole rows between 2-D host arrays, one memcpy per row.
-
-    On a CPU, numpy's row copy runs at memcpy speed, while torch's ``index_copy_`` and
-    ``copy_`` on uint8 rows of a few MiB ran 5-15x slower on the machines we measured. numpy
-    releases the GIL while it copies, so a large batch is split across a few threads, as one
-    core alone cannot saturate memory bandwidth.
-    """
-    pairs = list(zip(dst_rows, src_rows, strict=True))
-    threads = torch.get_num_threads()
-    if threads < 2 or len(pairs) * dst.shape[1] < _PARALLEL_COPY_BYTES:
-        _copy_pairs(dst, src, pairs)
-        return
-    list(_copy_pool().map(lambda part: _copy_pairs(dst, src, part), _split(pairs, threads)))
-
-
-_PARALLEL_COPY_BYTES = 8 << 20
-
-
-def _copy_pairs(dst: np.ndarray, src: np.ndarray, pairs: list[tuple[int, int]]) -> None:
-    for d, s in pairs:
-        np.copyto(dst[d], src[s])
-
-
-def _split(pairs: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
-    return [pairs[i::parts] for i in range(parts)]
-
-
-@functools.cache
-def _copy_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="kvtier-copy")
-
-
-class Transfer:
-    """One batch of block copies in flight; done at once on CPU."""
-
-    __slots__ = ("_staging", "callback", "event", "num_blocks")
-
-    def __init__(
-        self,
-        event: torch.cuda.Event | None,
-        staging: torch.Tensor | None,
-        callback: Callback | None,
-        num_blocks: int,
-    ):
-        self.event = event
-        self._staging = staging  # kept alive until the copy has read or written it
-        self.callback = callback
-        self.num_blocks = num_blocks
-
-    def done(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def wait(self) -> None:
-        """Blocks the host until the copy has landed."""
-        if self.event is not None:
-            self.event.synchronize()
-
-    def order_before(self, stream: torch.cuda.Stream | None = None) -> None:
-        """Makes ``stream`` (default: the current one) wait for this copy, without blocking."""
-        if self.event is not None:
-            (stream or torch.cuda.current_stream(self.event.device)).wait_event(self.event)
+DEFAULT_STAGING_BYTES = 128 << 20
+"""GPU staging for engines whose KV order is not the canonical one: two slots of 32 MiB per
+direction, allocated once. Engines in the canonical order allocate none."""
 
 
 class CopyEngine:
-    """Copies whole blocks between ``kv_caches`` (one tensor per layer) and ``slab`` slots.
-
-    ``slab`` may be re-pointed in place (``set_``) at a new mapping, as the daemon client does
-    when it maps the arena after a (re)connect; the engine reads it afresh for each transfer.
-    """
+    """Copies whole blocks between ``placement``'s KV buffer and the rows of ``slab``."""
 
     def __init__(
         self,
-        layout: KVLayout,
-        kv_caches: Sequence[torch.Tensor],
+        placement: KVPlacement,
         slab: torch.Tensor,
+        *,
         counters: TierCounters | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ):
-        layout.check_tensors(kv_caches)
-        if slab.dim() != 2 or slab.shape[1] != layout.block_bytes or slab.dtype != torch.uint8:
+        block_bytes = placement.layout.block_bytes
+        if slab.dim() != 2 or slab.shape[1] != block_bytes or slab.dtype != torch.uint8:
             raise ValueError(
-                f"slab must be uint8 [slots, {layout.block_bytes}], got "
-                f"{slab.dtype} {tuple(slab.shape)}"
+                f"slab must be uint8 [slots, {block_bytes}], got {slab.dtype} {tuple(slab.shape)}"
             )
-        self.layout = layout
-        self.kv_caches = list(kv_caches)
+        self.placement = placement
+        self.layout = placement.layout
         self.slab = slab
-        self.device = kv_caches[0].device
         self.counters = counters
+        self.device = placement.device
         self.on_cuda = self.device.type == "cuda"
-        self._in_flight: deque[Transfer] = deque()
-        self._events: list[torch.cuda.Event] = []
+        self.host_pinned = False
+        """Whether the slab is page-locked (on CUDA; a pageable slab makes copies synchronous)."""
+        self._locked: int | None = None  # address of the slab mapping this engine locked
+        self._stores = CompletionQueue()
+        self._loads = CompletionQueue()
+        self._cuda = None
         if self.on_cuda:
-            self._store_stream = torch.cuda.Stream(self.device)
-            self._load_stream = torch.cuda.Stream(self.device)
+            from kvtier.tiers.cuda_copy import CudaCopier
+
+            self._cuda = CudaCopier(placement, staging_bytes)
+            self.prepare_host()
+        logger.info(
+            "kvtier copy engine on %s: %d-byte blocks, %s, %d bytes of GPU staging",
+            self.device,
+            block_bytes,
+            "one run per block" if placement.block_contiguous else "gathered through a ring",
+            self.staging_bytes,
+        )
+
+    @property
+    def staging_bytes(self) -> int:
+        """GPU bytes this engine allocated for staging (fixed for its lifetime)."""
+        return self._cuda.staging_bytes if self._cuda is not None else 0
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._stores) + len(self._loads)
+
+    def prepare_host(self) -> bool:
+        """Locks the slab's current mapping if it is new; True if it is page-locked.
+
+        Runs on the caller's (engine) thread; every transfer calls it first, so a slab
+        re-pointed at a new mapping is locked before a copy touches it.
+        """
+        if not self.on_cuda:
+            return False
+        ptr = self.slab.data_ptr()
+        if self.slab.numel() == 0 or ptr == self._locked:
+            return self.host_pinned
+        self.release_host()
+        if is_registered(self.slab):
+            self.host_pinned = True  # locked by its owner, who also unlocks it
+            return True
+        self.host_pinned = register_host(self.slab, self.device, self.layout.block_bytes)
+        self._locked = ptr if self.host_pinned else None
+        return self.host_pinned
+
+    def release_host(self) -> None:
+        """Unlocks the mapping this engine locked (after its copies have landed)."""
+        if self._locked is not None:
+            unregister_host(self._locked, self.device)
+        self._locked = None
+        self.host_pinned = False
 
     def store(
         self, block_ids: Sequence[int], slots: Sequence[int], callback: Callback | None = None
     ) -> Transfer:
-        """Copies GPU blocks into host slots, after all work already queued on the compute stream.
+        """Copies blocks into host slots, after all work already queued on the compute stream.
 
         ``callback`` runs once the bytes are in the slots (typically: commit them).
         """
         self._check(block_ids, slots)
-        n = len(block_ids)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n, nbytes = len(block_ids), len(block_ids) * self.layout.block_bytes
         if self.counters is not None:
-            self.counters.bytes_out += n * self.layout.block_bytes
-        if not self.on_cuda:
-            staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
-            self.layout.gather(self.kv_caches, ids, staging)
-            copy_rows(self.slab.numpy(), slots, staging.numpy(), range(n))
-            return self._finish(Transfer(None, None, callback, n))
-        stream = self._store_stream
-        after_compute = self._record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            stream.wait_event(after_compute)
-            staging = torch.empty(
-                (n, self.layout.block_bytes), dtype=torch.uint8, device=self.device
-            )
-            self.layout.gather(self.kv_caches, ids, staging)
-            for i, slot in enumerate(slots):
-                self.slab[slot].copy_(staging[i], non_blocking=True)
-            done = self._record(stream)
-        self._events.append(after_compute)
-        return self._track(Transfer(done, staging, callback, n))
+            self.counters.bytes_out += nbytes
+        if self._cuda is None:
+            if self.placement.block_contiguous:
+                host_copy.store_runs(self.placement, self.slab, self._runs(block_ids, slots))
+            else:
+                host_copy.store_rows(self.placement, self.slab, block_ids, slots)
+            return self._done_at_once(Transfer(n, nbytes, callback))
+        self.prepare_host()
+        start, done, ids = self._cuda.store(block_ids, slots, self.slab, self._boundary())
+        return self._stores.push(Transfer(n, nbytes, callback, start, done, self._give_back(ids)))
 
     def load(
         self,
@@ -167,74 +146,64 @@ class CopyEngine:
         after: Sequence[Transfer] = (),
         callback: Callback | None = None,
     ) -> Transfer:
-        """Copies host slots into GPU blocks; the engine waits on the result before reading.
+        """Copies host slots into blocks; the engine orders its reads after the result.
 
-        The load waits for the compute stream's queued work and for ``after`` (spills still
-        reading the old content of these blocks), so it never overwrites bytes in use.
+        The load waits for the compute stream's queued work and for ``after`` (copies still
+        reading these blocks' old content), so it never overwrites bytes in use.
         ``callback`` runs once the slots have been read (typically: release them).
         """
         self._check(block_ids, slots)
-        n = len(block_ids)
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        n, nbytes = len(block_ids), len(block_ids) * self.layout.block_bytes
         if self.counters is not None:
-            self.counters.bytes_in += n * self.layout.block_bytes
-        if not self.on_cuda:
-            staging = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8)
-            copy_rows(staging.numpy(), range(n), self.slab.numpy(), slots)
-            self.layout.scatter(staging, self.kv_caches, ids)
-            return self._finish(Transfer(None, None, callback, n))
-        stream = self._load_stream
-        after_compute = self._record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            stream.wait_event(after_compute)
-            for transfer in after:
-                transfer.order_before(stream)
-            staging = torch.empty(
-                (n, self.layout.block_bytes), dtype=torch.uint8, device=self.device
-            )
-            for i, slot in enumerate(slots):
-                staging[i].copy_(self.slab[slot], non_blocking=True)
-            self.layout.scatter(staging, self.kv_caches, ids)
-            done = self._record(stream)
-        self._events.append(after_compute)
-        return self._track(Transfer(done, staging, callback, n))
+            self.counters.bytes_in += nbytes
+        if self._cuda is None:
+            if self.placement.block_contiguous:
+                host_copy.load_runs(self.placement, self.slab, self._runs(block_ids, slots))
+            else:
+                host_copy.load_rows(self.placement, self.slab, slots, block_ids)
+            return self._done_at_once(Transfer(n, nbytes, callback))
+        self.prepare_host()
+        waits = [t.done_event for t in after if t.done_event is not None]
+        start, done, ids = self._cuda.load(slots, block_ids, self.slab, self._boundary(), waits)
+        return self._loads.push(Transfer(n, nbytes, callback, start, done, self._give_back(ids)))
 
     def poll(self) -> int:
-        """Runs the callbacks of transfers that have completed, in order; never blocks."""
-        finished = 0
-        while self._in_flight and self._in_flight[0].done():
-            self._finish(self._in_flight.popleft())
-            finished += 1
-        return finished
+        """Finishes the transfers that have landed, in order per direction; never blocks."""
+        return self._loads.poll() + self._stores.poll()
 
     def synchronize(self) -> None:
-        """Waits for every transfer in flight and runs its callback."""
-        while self._in_flight:
-            transfer = self._in_flight.popleft()
-            transfer.wait()
-            self._finish(transfer)
+        """Waits for every transfer in flight and finishes it."""
+        self._loads.drain()
+        self._stores.drain()
+
+    def close(self) -> None:
+        """Lets every copy land, then unlocks the slab mapping this engine locked."""
+        self.synchronize()
+        self.release_host()
+
+    # ---- internals ----
 
     def _check(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        if len(block_ids) != len(slots) or not block_ids:
-            raise ValueError(
-                f"need matching non-empty block ids and slots, got "
-                f"{len(block_ids)} and {len(slots)}"
-            )
+        check_pairs(block_ids, slots, self.placement.num_blocks, self.slab.shape[0])
 
-    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = self._events.pop() if self._events else torch.cuda.Event()
-        event.record(stream)
-        return event
+    def _runs(self, block_ids: Sequence[int], slots: Sequence[int]):
+        bb = self.layout.block_bytes
+        offsets = [self.placement.block_offset(b) for b in block_ids]
+        return plan_runs(offsets, [s * bb for s in slots], bb)
 
-    def _track(self, transfer: Transfer) -> Transfer:
-        self._in_flight.append(transfer)
-        return transfer
+    def _boundary(self) -> int:
+        """Host bytes no single copy may cross: the slab's registration chunks, if several."""
+        if self.slab.numel() <= MAX_REGISTER_BYTES:
+            return 0
+        return registration_chunk(self.layout.block_bytes)
 
-    def _finish(self, transfer: Transfer) -> Transfer:
-        """Runs a completed transfer's callback and lets its staging buffer go: blocks may
-        keep the transfer as their ``pending_read`` long after, and must not pin GPU memory."""
-        transfer._staging = None
-        if transfer.callback is not None:
-            callback, transfer.callback = transfer.callback, None
-            callback()
+    def _give_back(self, ids: torch.Tensor | None) -> Callback | None:
+        if ids is None:
+            return None
+        pool = self._cuda.ids
+        return lambda: pool.give(ids)
+
+    @staticmethod
+    def _done_at_once(transfer: Transfer) -> Transfer:
+        transfer.finish()
         return transfer

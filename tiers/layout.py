@@ -1,19 +1,28 @@
-"""How an engine's KV tensors are shaped, and how one block becomes one contiguous byte string.
+"""What one KV block is, byte for byte, below the GPU: the canonical block of one layout.
 
-Below the GPU a block is ONE contiguous byte string holding every layer (per layer: its K then
-its V, or the MLA latent), so one block moves as one large copy. ``KVLayout`` knows the bytes of
-a block, gathers many blocks out of the per-layer tensors into a ``[n, block_bytes]`` uint8
-buffer and scatters them back. Its signature enters the hash namespace, so bytes stored for one
-layout can never be loaded into another.
+Below the GPU a block is ONE contiguous byte string: one block of the engine's block-outermost
+KV layout (vLLM's ``BLHNC``), i.e. ``[layer][head][token][C]`` where ``C`` is the token's K
+(``head_size`` elements) followed by its V (``head_size_v`` elements) for that head. An MLA
+layout has one "head" and ``C`` is the latent (``head_size_v == 0``, no K/V split). Each
+layer's page may be padded to ``page_size_padded`` bytes (vLLM pads some pages); the padding
+is part of the block. Bytes move as bytes, so FP8 and other 1-byte dtypes need nothing special.
+
+A block of this order is one contiguous run in a ``BLHNC`` KV buffer and moves as one DMA.
+Where the engine's tensors sit in memory (that order or another) is ``KVPlacement``'s business
+(``kvtier.tiers.kv_placement``). ``signature`` names everything above, so bytes stored for one
+layout can never be loaded into another. A model with several KV cache groups has one layout
+per group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import xxhash
+
+BLOCK_ORDER = "BLHNC"
+"""The canonical block byte order, named as vLLM names KV cache layouts."""
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -36,13 +45,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The per-layer KV tensors of one engine (one tensor-parallel rank).
+    """One KV cache group's block: ``num_layers`` pages of ``[num_kv_heads, block_size, C]``.
 
-    Each layer's tensor has the shape ``layer_shape(num_blocks)``: by default
-    ``[kv_parts, num_blocks, block_size, num_kv_heads, head_size]`` (``block_dim=1``, the
-    flash-attention order), or ``[num_blocks, kv_parts, block_size, num_kv_heads, head_size]``
-    with ``block_dim=0``, where one block of one layer is already contiguous. ``kv_parts`` is 2
-    for K and V, 1 for an MLA latent cache.
+    ``head_size_v`` defaults to ``head_size``; 0 means one part (an MLA latent of
+    ``head_size`` elements, with ``num_kv_heads == 1``). ``page_size_padded`` is the byte size
+    of one layer's page when the engine pads it beyond ``page_bytes``.
     """
 
     num_layers: int
@@ -50,47 +57,67 @@ class KVLayout:
     head_size: int
     block_size: int
     dtype: torch.dtype = torch.float16
-    kv_parts: int = 2
-    block_dim: int = 1
+    head_size_v: int | None = None
+    page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
-        if self.kv_parts not in (1, 2):
-            raise ValueError(f"kv_parts must be 1 (MLA latent) or 2 (K and V), got {self.kv_parts}")
-        if self.block_dim not in (0, 1):
-            raise ValueError(f"block_dim must be 0 or 1, got {self.block_dim}")
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        if self.head_size_v < 0:
+            raise ValueError(f"KVLayout.head_size_v must be >= 0, got {self.head_size_v}")
+        if self.is_mla and self.num_kv_heads != 1:
+            raise ValueError(f"an MLA layout (head_size_v=0) has one head, got {self.num_kv_heads}")
+        if self.page_size_padded is not None and self.page_size_padded < self.page_bytes:
+            raise ValueError(
+                f"page_size_padded {self.page_size_padded} is smaller than a page of "
+                f"{self.page_bytes} bytes"
+            )
+
+    @classmethod
+    def mla(
+        cls, num_layers: int, latent_size: int, block_size: int, dtype: torch.dtype, **kw
+    ) -> KVLayout:
+        """An MLA layout: one latent of ``latent_size`` elements per token and layer."""
+        return cls(num_layers, 1, latent_size, block_size, dtype, head_size_v=0, **kw)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.head_size_v == 0
 
     @property
     def elem_bytes(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
-    def layer_block_bytes(self) -> int:
-        """Bytes of one block of one layer (K and V together)."""
-        return (
-            self.kv_parts * self.block_size * self.num_kv_heads * self.head_size * self.elem_bytes
-        )
+    def row_bytes(self) -> int:
+        """``C`` in bytes: one token's K and V (or latent) for one head."""
+        return (self.head_size + self.head_size_v) * self.elem_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer of one block without padding: ``[heads, tokens, C]``."""
+        return self.num_kv_heads * self.block_size * self.row_bytes
+
+    @property
+    def page_stride(self) -> int:
+        """Bytes of one layer of one block with its padding."""
+        return self.page_size_padded or self.page_bytes
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one whole block: every layer, K then V within each layer."""
-        return self.num_layers * self.layer_block_bytes
-
-    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        inner = (self.block_size, self.num_kv_heads, self.head_size)
-        if self.block_dim == 0:
-            return (num_blocks, self.kv_parts, *inner)
-        return (self.kv_parts, num_blocks, *inner)
+        """Bytes of one whole block: every layer's (padded) page, layer after layer."""
+        return self.num_layers * self.page_stride
 
     def describe(self) -> str:
-        """Canonical text of everything that decides where a block's bytes come from."""
+        """Canonical text of everything that decides what a block's bytes mean."""
         dtype = str(self.dtype).removeprefix("torch.")
         return (
-            f"layers={self.num_layers};kv_parts={self.kv_parts};kv_heads={self.num_kv_heads};"
-            f"head_size={self.head_size};block_size={self.block_size};dtype={dtype};"
-            f"block_dim={self.block_dim}"
+            f"order={BLOCK_ORDER};layers={self.num_layers};heads={self.num_kv_heads};"
+            f"tokens={self.block_size};k={self.head_size};v={self.head_size_v};dtype={dtype};"
+            f"page={self.page_stride}"
         )
 
     @property
@@ -98,57 +125,13 @@ class KVLayout:
         """16-byte digest of ``describe()``; part of the hash namespace and of each disk value."""
         return xxhash.xxh3_128_digest(self.describe().encode())
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Zeroed per-layer KV tensors for ``num_blocks`` blocks."""
-        shape = self.layer_shape(num_blocks)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+    def block_view(self, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 ``[n, block_bytes]`` rows seen as ``[n, layers, heads, tokens, C]`` of dtype.
 
-    def check_tensors(self, kv_caches: Sequence[torch.Tensor]) -> int:
-        """Validates per-layer tensors against this layout and returns their block count."""
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} layer tensors, got {len(kv_caches)}")
-        if kv_caches[0].dim() != 5:
-            raise ValueError(
-                f"layer tensors must be 5-D {self.layer_shape(-1)}, got {tuple(kv_caches[0].shape)}"
-            )
-        num_blocks = kv_caches[0].shape[self.block_dim]
-        want = self.layer_shape(num_blocks)
-        for i, t in enumerate(kv_caches):
-            if tuple(t.shape) != want or t.dtype != self.dtype:
-                raise ValueError(
-                    f"layer {i}: tensor {tuple(t.shape)} {t.dtype} does not match layout "
-                    f"{want} {self.dtype}"
-                )
-        return num_blocks
-
-    def gather(
-        self, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor, out: torch.Tensor
-    ) -> None:
-        """Copies blocks ``block_ids`` of every layer into ``out`` (uint8, ``[n, block_bytes]``).
-
-        ``out`` must live on the same device as the caches; one ``index_select`` per layer
-        writes straight into its column range of ``out``, so there is no intermediate copy
-        beyond the one the indexing itself makes.
+        Only for unpadded layouts (padding has no element view); used to read blocks back.
         """
-        n = block_ids.numel()
-        rows = out.view(n, self.num_layers, self.layer_block_bytes)
-        for layer, cache in enumerate(kv_caches):
-            picked = cache.index_select(self.block_dim, block_ids)
-            if self.block_dim != 0:
-                picked = picked.movedim(self.block_dim, 0)
-            rows[:, layer].copy_(picked.reshape(n, -1).view(torch.uint8))
-
-    def scatter(
-        self, src: torch.Tensor, kv_caches: Sequence[torch.Tensor], block_ids: torch.Tensor
-    ) -> None:
-        """Writes ``src`` (uint8, ``[n, block_bytes]``) into blocks ``block_ids`` of every layer."""
-        n = block_ids.numel()
-        rows = src.view(n, self.num_layers, self.layer_block_bytes)
-        inner = self.layer_shape(n)
-        if self.block_dim != 0:
-            inner = (n, self.kv_parts, *inner[2:])
-        for layer, cache in enumerate(kv_caches):
-            values = rows[:, layer].contiguous().view(self.dtype).view(inner)
-            if self.block_dim != 0:
-                values = values.movedim(0, self.block_dim)
-            cache.index_copy_(self.block_dim, block_ids, values)
+        if self.page_size_padded not in (None, self.page_bytes):
+            raise ValueError("a padded layout has no element view of its blocks")
+        c = self.head_size + self.head_size_v
+        shape = (rows.shape[0], self.num_layers, self.num_kv_heads, self.block_size, c)
+        return rows.view(self.dtype).view(shape)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.tiers.copy_engine import CopyEngine, Transfer
+from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.free_queue import FreeBlockQueue, KVBlock
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host import ALREADY_STORED
 from kvtier.tiers.lower import LowerTier
+from kvtier.tiers.transfer import Transfer
 
 
 class BlockSpiller:

@@ -10,6 +10,7 @@ import torch
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostTier
+from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.lower import LowerTier
 from kvtier.tiers.pool import BlockSpiller, GpuBlockPool
@@ -21,7 +22,7 @@ class TierStack:
     """Every part of one engine's cache; ``close()`` persists what it can and closes."""
 
     layout: KVLayout
-    kv_caches: list[torch.Tensor]
+    placement: KVPlacement
     pool: GpuBlockPool
     cache: PrefixCache
     lower: LowerTier | None = None
@@ -29,7 +30,7 @@ class TierStack:
     disk: DiskTier | None = None
 
     def close(self, persist: bool = True) -> None:
-        """Waits for copies in flight, then closes the disk tier.
+        """Waits for copies in flight, unlocks the host slab, then closes the disk tier.
 
         With ``persist`` (and a disk tier in this process), every cached GPU block and every
         host block first goes down to the disk, so a restart finds all of them.
@@ -37,7 +38,7 @@ class TierStack:
         if self.engine is not None:
             if persist and self.disk is not None:
                 self.pool.spill_cached()
-            self.engine.synchronize()
+            self.engine.close()
         if self.disk is not None:
             if persist:
                 self.lower.spill_all()
@@ -53,13 +54,14 @@ def build_stack(
     device: torch.device | str = "cpu",
     spill_ahead: int = 4,
 ) -> TierStack:
-    """A GPU pool on ``device`` over fresh KV tensors, spilling into ``lower`` if given."""
-    kv_caches = layout.allocate(num_gpu_blocks, device)
+    """A GPU pool on ``device`` over a fresh KV buffer in the canonical block order (every
+    block one contiguous run), spilling into ``lower`` if given."""
+    placement = KVPlacement.allocate(layout, num_gpu_blocks, device)
     if lower is None:
         pool = GpuBlockPool(num_gpu_blocks)
-        return TierStack(layout, kv_caches, pool, PrefixCache(pool, layout.block_size))
+        return TierStack(layout, placement, pool, PrefixCache(pool, layout.block_size))
     pool = GpuBlockPool(num_gpu_blocks, spill_ahead=spill_ahead)
-    engine = CopyEngine(layout, kv_caches, lower.slab, counters=pool.counters)
+    engine = CopyEngine(placement, lower.slab, counters=pool.counters)
     pool.spiller = BlockSpiller(lower, engine, pool.counters)
     cache = PrefixCache(
         pool,
@@ -68,7 +70,7 @@ def build_stack(
         engine=engine,
         disk_counters=disk.counters if disk is not None else None,
     )
-    return TierStack(layout, kv_caches, pool, cache, lower, engine, disk)
+    return TierStack(layout, placement, pool, cache, lower, engine, disk)
 
 
 def build_local_stack(

@@ -1,0 +1,70 @@
+"""Stores handed to a worker at ``wait_for_save``, copied at the start of a later step.
+
+Right after the forward pass vLLM copies the sampled tokens from the GPU to the host; a store
+started at that moment competes with that small, latency-critical copy for the link. As
+vLLM's own offloading connector does, the worker defers each step's stores to the start of
+the next step (``handle_preemptions`` / ``start_load_kv``), by which time the sampler's copy
+has landed, and the copy then overlaps the next forward pass. Meanwhile the slots are
+reserved on a helper thread, so the daemon's round trip never runs on the engine's thread.
+
+The blocks stay valid while they wait: vLLM keeps a finished request's blocks until the
+worker reports it in ``finished_sending``, and a preempted request's stores are started (its
+reservation waited for) before the step that may overwrite its freed blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+Reserve = Callable[[list[bytes], list[bytes]], list[int]]
+
+
+@dataclass(slots=True)
+class PendingStore:
+    """One step's stores: block ids, the request owning each, and the slots asked for them."""
+
+    block_ids: list[int]
+    owners: list[str]
+    reserved: Future[list[int]]
+
+
+class StoreQueue:
+    """Deferred stores in the order they were handed over."""
+
+    def __init__(self, reserve: Reserve, executor: Executor):
+        self._reserve = reserve
+        self._executor = executor
+        self._pending: deque[PendingStore] = deque()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(
+        self, hashes: list[bytes], metas: list[bytes], block_ids: list[int], owners: list[str]
+    ) -> None:
+        """Queues a step's stores and asks for their slots on the helper thread; ``metas``
+        (one per hash, or none) is each block's engine identity, kept with it below."""
+        future = self._executor.submit(self._reserve, hashes, metas)
+        self._pending.append(PendingStore(block_ids, owners, future))
+
+    def take_ready(self, must: Collection[str] = ()) -> list[tuple[PendingStore, list[int]]]:
+        """The leading stores whose slots are answered, with their slots; never waits, except
+        for the stores of requests in ``must`` (and those queued before them)."""
+        forced = -1
+        for i, store in enumerate(self._pending):
+            if not set(store.owners).isdisjoint(must):
+                forced = i
+        ready: list[tuple[PendingStore, list[int]]] = []
+        while self._pending and (len(ready) <= forced or self._pending[0].reserved.done()):
+            store = self._pending.popleft()
+            ready.append((store, store.reserved.result()))
+        return ready
+
+    def take_all(self) -> list[tuple[PendingStore, list[int]]]:
+        """Every queued store with its slots, waiting for the answers."""
+        ready = [(store, store.reserved.result()) for store in self._pending]
+        self._pending.clear()
+        return ready

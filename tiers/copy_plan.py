@@ -1,0 +1,70 @@
+"""Planning block copies: which byte runs move, merged as far as they go, and in what chunks.
+
+Pure arithmetic, the same on every device: the copy engine turns a batch of (block, slot)
+pairs into runs and only then touches memory. A run is one ``cudaMemcpyAsync`` on a GPU and
+one ``memcpy`` on a CPU, so merging consecutive blocks that land in consecutive slots is what
+turns a 100-block hit into a handful of DMAs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """``nbytes`` at ``device`` (offset in device memory) and ``host`` (offset in the slab)."""
+
+    device: int
+    host: int
+    nbytes: int
+
+
+def plan_runs(
+    device_offsets: Sequence[int],
+    host_offsets: Sequence[int],
+    size: int,
+    host_boundary: int = 0,
+) -> list[Run]:
+    """One run per pair of ``size`` bytes, each merged into the last when both sides continue
+    it. No run crosses a multiple of ``host_boundary`` on the host side (0: no boundary), as
+    one copy must stay inside one host registration."""
+    if len(device_offsets) != len(host_offsets):
+        raise ValueError(f"{len(device_offsets)} device offsets for {len(host_offsets)} host ones")
+    runs: list[Run] = []
+    dev0 = host0 = length = 0
+    for dev, host in zip(device_offsets, host_offsets, strict=True):
+        if (
+            length
+            and dev == dev0 + length
+            and host == host0 + length
+            and (not host_boundary or host // host_boundary == host0 // host_boundary)
+        ):
+            length += size
+            continue
+        if length:
+            runs.append(Run(dev0, host0, length))
+        dev0, host0, length = dev, host, size
+    if length:
+        runs.append(Run(dev0, host0, length))
+    return runs
+
+
+def chunk_ranges(count: int, per_chunk: int) -> list[range]:
+    """``range(count)`` cut into consecutive ranges of at most ``per_chunk`` items."""
+    if per_chunk < 1:
+        raise ValueError(f"per_chunk must be positive, got {per_chunk}")
+    return [range(start, min(start + per_chunk, count)) for start in range(0, count, per_chunk)]
+
+
+def check_pairs(block_ids: Sequence[int], slots: Sequence[int], num_blocks: int, num_slots: int):
+    """Raises ``ValueError`` unless the pairs are non-empty, matched and in range."""
+    if len(block_ids) != len(slots) or not block_ids:
+        raise ValueError(
+            f"need matching non-empty block ids and slots, got {len(block_ids)} and {len(slots)}"
+        )
+    if min(block_ids) < 0 or max(block_ids) >= num_blocks:
+        raise ValueError(f"block ids must lie in [0, {num_blocks}), got {list(block_ids)[:8]}")
+    if min(slots) < 0 or max(slots) >= num_slots:
+        raise ValueError(f"slots must lie in [0, {num_slots}), got {list(slots)[:8]}")

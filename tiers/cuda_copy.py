@@ -1,0 +1,214 @@
+"""Block copies on a CUDA device: DMA on side streams, ordered by events, never a host sync.
+
+In the canonical page order (``BLHNC``) a block is one contiguous run of the KV buffer, so a
+store or load is a handful of ``cudaMemcpyAsync`` between vLLM's buffer and the pinned slab
+(consecutive blocks into consecutive slots merge into one): no kernel, no staging. Any other
+order goes through a FIXED staging ring per direction, allocated once: chunk ``k`` is gathered
+(or scattered) by one indexing kernel on a kernel stream while the DMA stream moves chunk
+``k - 1``, and a ring slot is rewritten only after the event of its last reader.
+
+Nothing a stream reads is freed under it: the KV buffer and the ring live as long as the
+copier, and a transfer owns the pinned buffer its block ids travel in until its last event.
+The engine's thread only queues work: ids go to the device from pinned memory with
+``non_blocking``, every wait is a stream waiting on an event.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.tiers.copy_plan import Run, chunk_ranges, plan_runs
+from kvtier.tiers.kv_placement import KVPlacement
+
+logger = logging.getLogger(__name__)
+
+STORE, LOAD = "store", "load"
+
+
+class StagingRing:
+    """``slots`` device buffers of ``slot_blocks`` canonical rows, each with its id buffer."""
+
+    def __init__(self, placement: KVPlacement, nbytes: int, slots: int = 2):
+        block_bytes = placement.layout.block_bytes
+        self.slot_blocks = max(nbytes // slots // block_bytes, 1)
+        device = placement.device
+        self.rows = [
+            torch.zeros((self.slot_blocks, block_bytes), dtype=torch.uint8, device=device)
+            for _ in range(slots)
+        ]
+        self.ids = [
+            torch.empty(self.slot_blocks, dtype=torch.long, device=device) for _ in range(slots)
+        ]
+        self.released: list[torch.cuda.Event | None] = [None] * slots
+        """Per slot, the event after which its last reader is done (None: never used)."""
+        self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.numel() for r in self.rows) + sum(i.numel() * 8 for i in self.ids)
+
+    def take(self) -> int:
+        """The next slot in turn."""
+        slot = self._next
+        self._next = (slot + 1) % len(self.rows)
+        return slot
+
+
+class PinnedIds:
+    """Reusable pinned int64 host buffers that carry block ids to the device."""
+
+    def __init__(self, pin: bool = True):
+        self._pin = pin
+        self._free: list[torch.Tensor] = []
+
+    def take(self, values: Sequence[int]) -> torch.Tensor:
+        """A buffer holding ``values`` (first ``len(values)`` entries); give it back when done."""
+        n = len(values)
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= n:
+                del self._free[i]
+                break
+        else:
+            buf = torch.empty(max(n, 256), dtype=torch.long, pin_memory=self._pin)
+        buf.numpy()[:n] = values
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+
+class CudaCopier:
+    """Streams, ring and id buffers of one engine's KV buffer on one device."""
+
+    def __init__(self, placement: KVPlacement, staging_bytes: int):
+        self.placement = placement
+        self.device = placement.device
+        self.ids = PinnedIds()
+        self._dma = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}
+        self._kernels: dict[str, torch.cuda.Stream] = {}
+        self._rings: dict[str, StagingRing] = {}
+        if not placement.block_contiguous:
+            self._kernels = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}
+            self._rings = {d: StagingRing(placement, staging_bytes // 2) for d in (STORE, LOAD)}
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(ring.nbytes for ring in self._rings.values())
+
+    def store(
+        self,
+        block_ids: Sequence[int],
+        slots: Sequence[int],
+        slab: torch.Tensor,
+        host_boundary: int,
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor | None]:
+        """Queues GPU blocks -> slots after the compute stream's queued work.
+
+        Returns (start event, done event, pinned ids the transfer owns until done).
+        """
+        compute = torch.cuda.current_stream(self.device)
+        host = slab.view(-1)
+        block_bytes = self.placement.layout.block_bytes
+        if not self._rings:
+            stream = self._dma[STORE]
+            stream.wait_stream(compute)
+            offsets = [self.placement.block_offset(b) for b in block_ids]
+            runs = plan_runs(offsets, [s * block_bytes for s in slots], block_bytes, host_boundary)
+            with torch.cuda.stream(stream):
+                start = _record(stream, timing=True)
+                _to_host(host, self.placement.buffer, runs)
+                return start, _record(stream, timing=True), None
+        ids = self.ids.take(block_ids)
+        ring, kernels, dma = self._rings[STORE], self._kernels[STORE], self._dma[STORE]
+        kernels.wait_stream(compute)
+        start = _record(kernels, timing=True)
+        for chunk in chunk_ranges(len(block_ids), ring.slot_blocks):
+            k, m = ring.take(), len(chunk)
+            rows, dev_ids = ring.rows[k][:m], ring.ids[k][:m]
+            with torch.cuda.stream(kernels):
+                if ring.released[k] is not None:
+                    kernels.wait_event(ring.released[k])
+                dev_ids.copy_(ids[chunk.start : chunk.stop], non_blocking=True)
+                self.placement.gather(dev_ids, rows)
+                gathered = _record(kernels)
+            with torch.cuda.stream(dma):
+                dma.wait_event(gathered)
+                runs = plan_runs(
+                    [i * block_bytes for i in range(m)],
+                    [s * block_bytes for s in slots[chunk.start : chunk.stop]],
+                    block_bytes,
+                    host_boundary,
+                )
+                _to_host(host, ring.rows[k].view(-1), runs)
+                ring.released[k] = _record(dma, timing=True)
+        return start, ring.released[k], ids
+
+    def load(
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        slab: torch.Tensor,
+        host_boundary: int,
+        after: Sequence[torch.cuda.Event],
+    ) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor | None]:
+        """Queues slots -> GPU blocks after the compute stream's queued work and ``after``."""
+        compute = torch.cuda.current_stream(self.device)
+        host = slab.view(-1)
+        block_bytes = self.placement.layout.block_bytes
+        dma = self._dma[LOAD]
+        dma.wait_stream(compute)
+        for event in after:
+            dma.wait_event(event)
+        if not self._rings:
+            offsets = [self.placement.block_offset(b) for b in block_ids]
+            runs = plan_runs(offsets, [s * block_bytes for s in slots], block_bytes, host_boundary)
+            with torch.cuda.stream(dma):
+                start = _record(dma, timing=True)
+                _to_device(self.placement.buffer, host, runs)
+                return start, _record(dma, timing=True), None
+        ids = self.ids.take(block_ids)
+        ring, kernels = self._rings[LOAD], self._kernels[LOAD]
+        start = _record(dma, timing=True)
+        for chunk in chunk_ranges(len(block_ids), ring.slot_blocks):
+            k, m = ring.take(), len(chunk)
+            rows, dev_ids = ring.rows[k][:m], ring.ids[k][:m]
+            with torch.cuda.stream(dma):
+                if ring.released[k] is not None:
+                    dma.wait_event(ring.released[k])
+                runs = plan_runs(
+                    [i * block_bytes for i in range(m)],
+                    [s * block_bytes for s in slots[chunk.start : chunk.stop]],
+                    block_bytes,
+                    host_boundary,
+                )
+                _to_device(ring.rows[k].view(-1), host, runs)
+                landed = _record(dma)
+            with torch.cuda.stream(kernels):
+                kernels.wait_event(landed)
+                dev_ids.copy_(ids[chunk.start : chunk.stop], non_blocking=True)
+                self.placement.scatter(rows, dev_ids)
+                ring.released[k] = _record(kernels, timing=True)
+        return start, ring.released[k], ids
+
+
+def _record(stream: torch.cuda.Stream, timing: bool = False) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=timing)
+    event.record(stream)
+    return event
+
+
+def _to_host(host: torch.Tensor, device: torch.Tensor, runs: Sequence[Run]) -> None:
+    for run in runs:
+        host[run.host : run.host + run.nbytes].copy_(
+            device[run.device : run.device + run.nbytes], non_blocking=True
+        )
+
+
+def _to_device(device: torch.Tensor, host: torch.Tensor, runs: Sequence[Run]) -> None:
+    for run in runs:
+        device[run.device : run.device + run.nbytes].copy_(
+            host[run.host : run.host + run.nbytes], non_blocking=True
+        )
