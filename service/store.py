@@ -210,7 +210,7 @@ class BlockStore:
             self._in_host.discard(block_hash)
         self.events.emit(kind, "host", block_hash)
 
-    def _disk_event(self, kind: str, block_hash: bytes) -> None:
+    def _disk_event(self, kind: str, block_hash: bytes, meta: bytes = b"") -> None:
         self.events.emit(kind, "disk", block_hash)
 
     def _saved_namespace(self) -> tuple[bytes, int] | None:
