@@ -23,7 +23,10 @@ from hypothesis import strategies as st
 
 from kvtier.tiers import disk_slots
 from kvtier.tiers.disk import DATA_FILE, DiskTier
+from kvtier.tiers.disk_commit import BatchCommitter
+from kvtier.tiers.disk_dir import DirectoryInUse
 from kvtier.tiers.disk_index import parse
+from kvtier.tiers.disk_writer import DiskWriter
 
 BLOCK = 16 * 1024 + 8  # not a multiple of the page size on purpose
 SIG = xxhash.xxh3_128_digest(b"layout-a")
@@ -74,7 +77,7 @@ def test_roundtrip_is_bit_exact_for_every_buffer_kind(tmp_path):
 def test_pending_block_is_visible_before_commit(tmp_path):
     gate = threading.Event()
 
-    def hold_writer(kind: str, block_hash: bytes) -> None:
+    def hold_writer(kind: str, block_hash: bytes, meta: bytes) -> None:
         gate.wait(10)
 
     with tier(tmp_path, on_event=hold_writer) as t:
@@ -94,7 +97,7 @@ def test_pending_block_is_visible_before_commit(tmp_path):
 
 def test_put_of_a_held_block_is_a_noop(tmp_path):
     events = []
-    with tier(tmp_path, on_event=lambda kind, h: events.append((kind, h))) as t:
+    with tier(tmp_path, on_event=lambda kind, h, meta: events.append((kind, h))) as t:
         t.put(key(0), block(0))
         t.put(key(0), block(1))
         t.flush()
@@ -163,7 +166,7 @@ def test_corrupt_block_is_a_miss_counted_and_dropped(tmp_path, where):
         flip_everywhere(tmp_path / "data.mdb", checksum, -1 if where == "entry-length" else 3)
 
     events = []
-    with tier(tmp_path, on_event=lambda kind, h: events.append((kind, h))) as t:
+    with tier(tmp_path, on_event=lambda kind, h, meta: events.append((kind, h))) as t:
         assert t.contains(key(0))
         assert read(t, 0) is None
         assert t.counters.checksum_failures == 1 and t.counters.blocks_loaded == 0
@@ -196,7 +199,7 @@ def test_budget_evicts_least_recently_read(tmp_path):
     n = 4
     removed = []
 
-    def on_event(kind: str, block_hash: bytes) -> None:
+    def on_event(kind: str, block_hash: bytes, meta: bytes) -> None:
         if kind == "removed":
             removed.append(block_hash)
 
@@ -300,9 +303,10 @@ def test_concurrent_readers_see_misses_or_exact_bytes(tmp_path):
 def test_second_open_in_one_process_is_refused(tmp_path):
     t = tier(tmp_path)
     t.put(key(0), block(0))
-    with pytest.raises(RuntimeError, match="already open"):
+    mine = rf"{tmp_path}.* in use by process {os.getpid()} \(this process\)"
+    with pytest.raises(DirectoryInUse, match=mine):
         tier(tmp_path)
-    with pytest.raises(RuntimeError, match="already open"):
+    with pytest.raises(DirectoryInUse, match=mine):
         tier(tmp_path / ".." / tmp_path.name)
     t.close()
     t.close()  # idempotent
@@ -317,7 +321,10 @@ import os, signal, sys
 import numpy as np, xxhash
 from kvtier.tiers import disk_slots
 from kvtier.tiers.disk import DATA_FILE, DiskTier
+from kvtier.tiers.disk_commit import BatchCommitter
+from kvtier.tiers.disk_dir import DirectoryInUse
 from kvtier.tiers.disk_index import parse
+from kvtier.tiers.disk_writer import DiskWriter
 sig, size, count = bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t = DiskTier(sys.argv[1], sig, size, 64 * size)
 for i in range(count):
@@ -362,7 +369,7 @@ def test_bad_sizes_raise_value_error(tmp_path):
 
 
 def test_writer_outlives_failures(tmp_path, monkeypatch, caplog):
-    def broken_subscriber(kind: str, block_hash: bytes) -> None:
+    def broken_subscriber(kind: str, block_hash: bytes, meta: bytes) -> None:
         raise RuntimeError("subscriber bug")
 
     with tier(tmp_path, on_event=broken_subscriber) as t:
@@ -371,14 +378,16 @@ def test_writer_outlives_failures(tmp_path, monkeypatch, caplog):
         assert t.counters.used_blocks == 1
         assert "on_event" in caplog.text
 
-        def failing_apply(self, txn, ops, taken):
+        def failing_apply(self, txn, ops, prepared, taken):
             raise OSError("disk on fire")
 
-        monkeypatch.setattr(DiskTier, "_apply", failing_apply)
-        t.put(key(1), block(1))
-        with pytest.raises(RuntimeError, match="writer failed"):
-            t.flush()
+        monkeypatch.setattr(BatchCommitter, "_apply", failing_apply)
+        outcomes = []
+        t.write_behind(key(1), block(1), on_done=outcomes.append)
+        t.flush()  # a flush reports its own trouble only: the block's failure is its own
+        assert outcomes == [False] and t.counters.blocks_dropped == 1
         assert not t.contains(key(1))  # lost, and not claimed
+        assert "disk on fire" in caplog.text
         monkeypatch.undo()
         t.put(key(1), block(1))
         t.flush()
@@ -394,11 +403,13 @@ def test_failed_data_write_stores_nothing_and_leaks_no_slot(tmp_path, monkeypatc
         t.flush()
         for attempt in range(3):
             monkeypatch.setattr(disk_slots.SlotFile, "write", failing_write)
-            t.put(key(1 + attempt), block(1 + attempt))
-            with pytest.raises(RuntimeError, match="writer failed"):
-                t.flush()
+            outcomes = []
+            t.write_behind(key(1 + attempt), block(1 + attempt), on_done=outcomes.append)
+            t.flush()
             monkeypatch.undo()
+            assert outcomes == [False]
             assert not t.contains(key(1 + attempt)) and t.counters.used_blocks == 1
+        assert t.counters.blocks_dropped == 3
         for i in range(10, 30):
             t.put(key(i), block(i))
             t.flush()
@@ -412,12 +423,16 @@ def test_flush_raises_once_the_writer_is_gone(tmp_path, monkeypatch):
         raise SystemExit  # ends the writer thread, as no Exception would
 
     with tier(tmp_path) as t:
-        monkeypatch.setattr(DiskTier, "_process", killed)
-        t.put(key(0), block(0))
-        with pytest.raises(RuntimeError):
+        monkeypatch.setattr(DiskWriter, "_process", killed)
+        outcomes = []
+        t.write_behind(key(0), block(0), on_done=outcomes.append)
+        with pytest.raises(RuntimeError, match="writer stopped"):
             t.flush(timeout=10)
+        assert outcomes == [False]  # told, not left waiting
         with pytest.raises(RuntimeError):
             t.put(key(1), block(1))
+        t.write_behind(key(1), block(1), on_done=outcomes.append)
+        assert outcomes == [False, False]
 
 
 OPS = ["put", "put", "get", "get", "reopen"]
@@ -468,8 +483,8 @@ def test_data_file_uses_o_direct_where_the_filesystem_allows(tmp_path):
     if not direct_io_works(tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT")
     with tier(tmp_path) as t:
-        assert t._slots.direct
-        assert fcntl.fcntl(t._slots._fd, fcntl.F_GETFL) & os.O_DIRECT
+        assert t._s.slots.direct
+        assert fcntl.fcntl(t._s.slots._fd, fcntl.F_GETFL) & os.O_DIRECT
         t.put(key(0), block(0))
         t.flush()
         assert np.array_equal(read(t, 0), block(0))
@@ -481,7 +496,7 @@ def test_data_file_uses_o_direct_where_the_filesystem_allows(tmp_path):
 def test_buffered_fallback_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(disk_slots, "_O_DIRECT", 0)
     with tier(tmp_path) as t:
-        assert not t._slots.direct
+        assert not t._s.slots.direct
         for i in range(3):
             t.put(key(i), block(i))
     assert "no O_DIRECT" in caplog.text
@@ -549,11 +564,11 @@ def test_slot_reuse_under_concurrent_readers(tmp_path, monkeypatch, direct):
         assert not errors, errors
         assert hits[0] > 0 and t.counters.checksum_failures == 0
         assert t.counters.blocks_evicted == count - capacity
-        assert sorted(t._table._free) == sorted(set(range(capacity + 1)) - used_slots(t))
+        assert sorted(t._s.table._free) == sorted(set(range(capacity + 1)) - used_slots(t))
 
 
 def used_slots(t: DiskTier) -> set[int]:
-    with t._index.read() as txn:
+    with t._s.index.read() as txn:
         return {parse(bytes(v)).slot for _, v in txn.cursor()}
 
 

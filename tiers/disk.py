@@ -3,16 +3,15 @@ LRU.
 
 Block bytes live in ``blocks.dat``, a preallocated file of fixed slots written and read with
 ``O_DIRECT``, around the page cache (``disk_slots``). LMDB holds only small entries: per block
-its slot, layout signature, length and xxh3_64 checksum, and the access order (``disk_index``).
-The free slots are the ones no entry names, worked out at open. Reopening a directory recovers
-every committed block and its recency; one made with another budget is grown or evicted down.
+its slot, layout signature, length, xxh3_64 checksum and the caller's meta, and the access
+order (``disk_index``). The free slots are the ones no entry names, worked out at open.
+Reopening a directory recovers every committed block and its recency; one made with another
+budget is grown or evicted down (``disk_recovery``). One tier owns its directory at a time, and
+a damaged index is moved aside rather than crashing or refusing the start (``disk_dir``).
 
-One writer thread owns every write: ``put`` copies the block into a page-aligned buffer, parks
-it in a pending map (readable at once) and queues it; the writer drains its queue into one
-batch, writes the batch's payloads into free slots, ``fdatasync``s the data file and only then
-commits the entries that point at them, so an entry never names bytes that are not on the
-device. Evictions ride in the same commit and an evicted block's slot is reused only by a
-later batch, so the file holds one batch of spare slots beyond the budget.
+Stores are parked in a pending map (readable at once) and queued for one writer thread that
+batches them into commits (``disk_writer``): ``put`` copies the caller's bytes first,
+``write_behind`` borrows them until it calls back.
 
 Readers look the entry up and pin its slot in one critical section, then read the slot
 straight into the caller's buffer; a slot freed meanwhile is not reused until they unpin it
@@ -24,80 +23,49 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import lmdb
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk_index import FORMAT_VERSION, BlockIndex, Entry
-from kvtier.tiers.disk_recovery import recover
-from kvtier.tiers.disk_slots import BufferPool, SlotFile, SlotTable, slot_stride
+from kvtier.tiers.disk_commit import DROP, FLUSH, PUT, STOP, TOUCH, Pending
+from kvtier.tiers.disk_dir import TierDirectory
+from kvtier.tiers.disk_index import MAX_META_BYTES, UNREADABLE, Entry
+from kvtier.tiers.disk_recovery import open_state, plan
+from kvtier.tiers.disk_slots import DATA_FILE
+from kvtier.tiers.disk_writer import DiskWriter, Flush
 from kvtier.tiers.hashing import check_hash
+
+__all__ = ["DATA_FILE", "MAX_META_BYTES", "DiskTier"]
 
 log = logging.getLogger(__name__)
 
-DATA_FILE = "blocks.dat"
 _SIGNATURE_BYTES = 16
-# A batch takes at most this many bytes of new blocks (and at most an eighth of the budget):
-# enough to amortise its fdatasync and commit; it is also the number of spare slots.
-_MAX_BATCH_BYTES = 64 << 20
-# How many batches of returned put buffers the pool keeps warm.
-_POOL_BATCHES = 2
-# Map bytes per slot for its index and order entries, B-tree pages and free lists, with room
-# to spare, plus a slack for meta pages; the default map is never below _MAP_FLOOR. The map is
-# address space only: the file grows as used.
-_INDEX_BYTES = 2048
-_MAP_SLACK = 256 << 10
-_MAP_FLOOR = 64 << 20
-
-# Writer queue operations; the ones below _FLUSH change the database.
-_MAX_DEFERRED_TOUCHES = 4096
-_PUT, _TOUCH, _DROP, _FLUSH, _STOP = range(5)
-
-_open_paths: set[str] = set()
-_open_paths_lock = threading.Lock()
-
-
-class _Flush:
-    """A flush marker: set by the writer once every operation queued before it is committed."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-    def finish(self, error: BaseException | None) -> None:
-        self.error = error
-        self.done.set()
-
-
-class _Pending:
-    """A put not yet committed: its aligned buffer, checksum and the readers copying from it."""
-
-    __slots__ = ("buf", "checksum", "readers", "retired")
-
-    def __init__(self, buf: Any, checksum: int) -> None:
-        self.buf = buf
-        self.checksum = checksum
-        self.readers = 0
-        self.retired = False  # committed or given up; the buffer goes back once unread
+# What ``write_behind`` found before queueing a block.
+_JOINED, _REFUSED, _HELD = "joined", "refused", "held"
 
 
 class DiskTier:
     """Blocks of ``block_bytes`` bytes in the directory ``path``, LRU within a budget.
 
     ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the data file is sized to
-    it (plus one batch of spare slots) at open. ``on_event(kind, hash)`` is called from the
-    writer thread, outside any lock, with ``"stored"`` after a block is committed and
+    it (plus one batch of spare slots) at open. ``on_event(kind, hash, meta)`` is called from
+    the writer thread, outside any lock, with ``"stored"`` after a block is committed and
     ``"removed"`` after one is evicted or dropped (blocks found or dropped at start-up are not
-    announced). ``sync=False`` skips the fdatasync and fsyncs at each commit: committed blocks
-    then survive a crash of the process, not one of the machine. A ``map_size`` too small for
-    the budget's index lowers the budget.
+    announced). A ``map_size`` too small for the budget's index lowers the budget.
+
+    Durability: a store is committed in a batch at most ``flush_interval_s`` after it was
+    queued (while the device keeps up); ``on_done(True)`` and "stored" come after the commit.
+    With ``sync`` (the default) a commit fdatasyncs the data file before LMDB commits, and
+    LMDB syncs its own: committed blocks survive a power loss. ``sync=False`` skips both:
+    committed blocks survive a crash of the process, not one of the machine. After a SIGKILL,
+    every committed block is found again, exact, and no entry ever names bytes that were not
+    written; stores still queued or in an uncommitted batch are lost (a cache: they cost a
+    recompute).
+
+    Opening takes the directory for this process (``DirectoryInUse`` names the holder's pid)
+    and moves a damaged index aside, logging where, then starts empty.
     """
 
     def __init__(
@@ -107,68 +75,52 @@ class DiskTier:
         block_bytes: int,
         capacity_bytes: int,
         counters: TierCounters | None = None,
-        on_event: Callable[[str, bytes], None] | None = None,
+        on_event: Callable[[str, bytes, bytes], None] | None = None,
         *,
         sync: bool = True,
         map_size: int | None = None,
+        flush_interval_s: float = 1.0,
     ) -> None:
         if len(layout_signature) != _SIGNATURE_BYTES:
             raise ValueError(f"layout signature must be {_SIGNATURE_BYTES} bytes")
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-        self._capacity_blocks, self._batch_blocks, map_size = _plan(
-            block_bytes, capacity_bytes, map_size
-        )
-        self._total_slots = self._capacity_blocks + self._batch_blocks
+        if not flush_interval_s >= 0:
+            raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
+        capacity, batch, map_size = plan(block_bytes, capacity_bytes, map_size)
         self.block_bytes = block_bytes
         self.counters = counters if counters is not None else TierCounters(tier="disk")
-        self._signature = bytes(layout_signature)
-        self._on_event = on_event
+        self._total_slots = capacity + batch
         self._sync = sync
-        self._lock = threading.Lock()
-        self._pending: dict[bytes, _Pending] = {}
-        self._queue: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._closed = False
-        self._writer_alive = True
-        self._failure: BaseException | None = None  # the writer's, not yet told to a flush
-        stride = slot_stride(block_bytes)
-        self._pool = BufferPool(stride, min(self._total_slots, _POOL_BATCHES * self._batch_blocks))
-
-        self._path = os.path.realpath(path)
-        with _open_paths_lock:
-            if self._path in _open_paths:
-                raise RuntimeError(
-                    f"disk tier {self._path} is already open in this process; "
-                    "close it before opening it again"
-                )
-            _open_paths.add(self._path)
-        self._index: BlockIndex | None = None
-        self._slots: SlotFile | None = None
+        self._dir = TierDirectory(os.path.realpath(path))
         try:
-            os.makedirs(self._path, exist_ok=True)
-            self._index = BlockIndex(self._path, map_size=map_size, sync=sync)
-            self._slots = SlotFile(os.path.join(self._path, DATA_FILE), stride, self._pool)
-            self._table = SlotTable(self._lock, self._recover())
+            self._s, found = open_state(
+                self._dir,
+                bytes(layout_signature),
+                block_bytes,
+                capacity,
+                batch,
+                map_size,
+                sync,
+                self.counters,
+            )
         except BaseException:
-            if self._slots is not None:
-                self._slots.close()
-            if self._index is not None:
-                self._index.close()
-            with _open_paths_lock:
-                _open_paths.discard(self._path)
+            self._dir.release()
             raise
-
+        self._lock = self._s.lock
         c = self.counters
-        c.capacity_blocks = self._capacity_blocks
-        c.capacity_bytes = self._capacity_blocks * block_bytes
-        self._writer = threading.Thread(target=self._run, name="kvtier-disk-writer", daemon=True)
-        self._writer.start()
+        c.capacity_blocks, c.capacity_bytes = capacity, capacity * block_bytes
+        c.blocks_evicted += found.dropped + found.evicted
+        c.checksum_failures += found.lost
+        c.used_blocks, c.used_bytes = found.used, found.used * block_bytes
+        self._writer = DiskWriter(self._s, capacity, batch, sync, flush_interval_s, on_event)
 
     # ---- readers (any thread) ----
 
     def __len__(self) -> int:
         with self._lock:
-            return self.counters.used_blocks + len(self._pending)
+            return self.counters.used_blocks + len(self._s.pending)
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the block is committed or waiting in the writer's queue."""
@@ -181,12 +133,33 @@ class DiskTier:
         # Pending first, LMDB second: the writer commits before it forgets a pending block,
         # so a block leaving the pending map is already visible to a transaction begun later.
         with self._lock:
-            pending = [h in self._pending for h in hashes]
-        with self._index.read() as txn:
+            pending = [h in self._s.pending for h in hashes]
+        with self._s.index.read() as txn:
             for n, (h, is_pending) in enumerate(zip(hashes, pending, strict=True)):
-                if not is_pending and not self._index.has(txn, h):
+                if not is_pending and not self._s.index.has(txn, h):
                     return n
         return len(hashes)
+
+    def get_meta(self, block_hash: bytes) -> bytes | None:
+        """The meta stored with the block, None if this tier does not hold it."""
+        check_hash(block_hash)
+        with self._lock:
+            pending = self._s.pending.get(block_hash)
+            if pending is not None:
+                return pending.meta
+        with self._s.index.read() as txn:
+            entry = self._s.index.get(txn, block_hash)
+        return None if entry is None or entry is UNREADABLE else entry.meta
+
+    def scan(self, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` committed (hash, meta) pairs in hash order after ``after`` (from the
+        first when None), read in one short transaction: page through a warm tier with the
+        last hash of one call as ``after`` of the next."""
+        if after is not None:
+            check_hash(after)
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        return self._s.index.scan(after, limit)
 
     def get_into(self, block_hash: bytes, out: Any) -> bool:
         """Copies the block into ``out`` (a writable buffer of ``block_bytes``); False on a miss.
@@ -199,107 +172,142 @@ class DiskTier:
         if dst.readonly or dst.nbytes != self.block_bytes:
             raise ValueError(f"out must be a writable buffer of {self.block_bytes} bytes")
         with self._lock:
-            pending = self._pending.get(block_hash)
+            pending = self._s.pending.get(block_hash)
             if pending is not None:
                 pending.readers += 1
             else:
                 # Looked up and pinned in the critical section that frees slots (SlotTable).
-                with self._index.read() as txn:
-                    entry = self._index.get(txn, block_hash)
+                with self._s.index.read() as txn:
+                    entry = self._s.index.get(txn, block_hash)
                 if entry is None:
                     return False
                 slot = entry.slot
-                self._table.pin_locked(slot)
+                self._s.table.pin_locked(slot)
         if pending is not None:
             try:
-                dst[:] = memoryview(pending.buf)[: self.block_bytes]
+                dst[:] = pending.data
             finally:
-                self._unpin_pending(pending)
+                with self._lock:
+                    pending.readers -= 1
+                    if not pending.readers:
+                        self._s.drained.notify_all()
             self._count_load()
             return True
         valid = self._valid(entry)
         try:
             if valid:
-                self._slots.read_into(slot, dst)
+                self._s.slots.read_into(slot, dst)
         except OSError as exc:  # the device failed this read: a miss, and the entry stays
-            log.warning("disk tier %s: reading slot %d failed: %s", self._path, slot, exc)
+            self._s.failures.warning(
+                "read", "disk tier %s: reading slot %d failed: %s", self._s.path, slot, exc
+            )
             return False
         finally:
-            self._table.unpin(slot)
+            self._s.table.unpin(slot)
         if valid and xxhash.xxh3_64_intdigest(dst) == entry.checksum:
             self._count_load()
-            self._enqueue(_TOUCH, block_hash)
+            self._enqueue(TOUCH, block_hash)
             return True
-        log.warning("disk tier %s: corrupt block %s dropped", self._path, block_hash.hex())
+        log.warning("disk tier %s: corrupt block %s dropped", self._s.path, block_hash.hex())
         with self._lock:
             self.counters.checksum_failures += 1
-        self._enqueue(_DROP, (block_hash, slot))
+        self._enqueue(DROP, (block_hash, slot))
         return False
 
     # ---- writers (any thread) ----
 
-    def put(self, block_hash: bytes, data: Any) -> None:
-        """Stores a copy of ``data`` (a C-contiguous buffer of ``block_bytes``) under the hash.
+    def put(self, block_hash: bytes, data: Any, meta: bytes = b"") -> None:
+        """Stores a copy of ``data`` (a C-contiguous buffer of ``block_bytes``) and ``meta``.
 
         The bytes are copied before this returns and are readable at once; the writer thread
         commits them later (``flush`` waits for that). A block already held is left as it is.
+        Raises ``RuntimeError`` once the tier is closed.
         """
-        check_hash(block_hash)
-        src = memoryview(data).cast("B")
-        if src.nbytes != self.block_bytes:
-            raise ValueError(f"block must be {self.block_bytes} bytes, got {src.nbytes}")
+        src, meta = self._check_block(block_hash, data, meta)
         with self._lock:
             self._check_open()
         if self.contains(block_hash):
             return
         # Our one copy of the payload, into a page-aligned buffer that the writer hands to
         # O_DIRECT as it is.
-        buf = self._pool.acquire()
-        with memoryview(buf) as view:
-            payload = view[: self.block_bytes]
-            payload[:] = src
-            pending = _Pending(buf, xxhash.xxh3_64_intdigest(payload))
-            payload.release()
+        buf = self._s.pool.acquire()
+        view = memoryview(buf)[: self.block_bytes]
+        view[:] = src
         with self._lock:
             self._check_open()
-            if block_hash not in self._pending:
-                self._pending[block_hash] = pending
-                self._queue.put((_PUT, block_hash))
+            if block_hash not in self._s.pending:
+                self._s.pending[block_hash] = Pending(view, buf, meta, None)
+                self._writer.submit(PUT, block_hash)
                 return
-        self._pool.release(buf)
+        view.release()
+        self._s.pool.release(buf)
+
+    def write_behind(
+        self,
+        block_hash: bytes,
+        data: Any,
+        meta: bytes = b"",
+        on_done: Callable[[bool], None] | None = None,
+    ) -> None:
+        """Stores ``data`` (a C-contiguous buffer of ``block_bytes``) without copying it here.
+
+        The caller keeps ``data`` alive and unchanged until ``on_done(ok)``, which is called
+        exactly once: True once the block is committed (durable as ``sync`` says) or at once
+        if the tier already holds it, False if it was not stored (I/O error, full map, tier
+        closed; counted in ``blocks_dropped``). It runs on this thread or the writer's, must
+        not block and must not call into this tier. The block is readable at once. Bad
+        arguments raise ``ValueError`` and call nothing.
+        """
+        src, meta = self._check_block(block_hash, data, meta)
+        done = on_done if on_done is not None else _ignore
+        with self._lock:
+            outcome = self._join_or_refuse(block_hash, done)
+        if outcome is None and self._committed(block_hash):
+            outcome = _HELD
+        if outcome is None:
+            with self._lock:
+                outcome = self._join_or_refuse(block_hash, done)
+                if outcome is None:
+                    self._s.pending[block_hash] = Pending(src, None, meta, done)
+                    self._writer.submit(PUT, block_hash)
+                    return
+        if outcome != _JOINED:
+            done(outcome == _HELD)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Blocks until everything queued before this call is committed.
+        """Blocks until everything queued before this call is done, their ``on_done`` called.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds, and ``RuntimeError`` if the writer
-        failed to commit that work or is no longer running.
+        A flush reports only its own trouble, never a block's (``on_done`` does that): it
+        raises ``TimeoutError`` after ``timeout`` seconds, and ``RuntimeError`` if the tier is
+        closed or its writer stopped.
         """
-        marker = _Flush()
+        marker = Flush()
         with self._lock:
             self._check_open()
-            self._queue.put((_FLUSH, marker))
+            self._writer.submit(FLUSH, marker)
         if not marker.done.wait(timeout):
-            raise TimeoutError(f"disk tier {self._path}: flush did not finish in {timeout} s")
+            raise TimeoutError(f"disk tier {self._s.path}: flush did not finish in {timeout} s")
         if marker.error is not None:
-            raise RuntimeError(f"disk tier {self._path}: writer failed") from marker.error
+            raise RuntimeError(f"disk tier {self._s.path}: writer stopped") from marker.error
 
     def close(self) -> None:
-        """Commits everything queued, stops the writer and closes the files (idempotent)."""
+        """Commits everything queued, stops the writer, closes the files and gives up the
+        directory (idempotent)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._writer_alive:
-                self._queue.put((_STOP, None))
+            if self._writer.alive:
+                self._writer.submit(STOP, None)
         self._writer.join()
         if not self._sync:
-            self._slots.sync()
-            self._index.sync()
-        self._slots.close()
-        self._index.close()
-        self._pool.clear()
-        with _open_paths_lock:
-            _open_paths.discard(self._path)
+            self._s.slots.sync()
+            self._s.index.sync()
+        self._s.slots.close()
+        self._s.index.close()
+        self._s.pool.clear()
+        self._dir.mark_clean()
+        self._dir.release()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -309,17 +317,50 @@ class DiskTier:
 
     # ---- helpers for any thread ----
 
+    def _check_block(self, block_hash: bytes, data: Any, meta: bytes) -> tuple[memoryview, bytes]:
+        check_hash(block_hash)
+        try:
+            src = memoryview(data).cast("B")
+        except TypeError as exc:
+            raise ValueError(f"block must be a C-contiguous buffer: {exc}") from None
+        if src.nbytes != self.block_bytes:
+            raise ValueError(f"block must be {self.block_bytes} bytes, got {src.nbytes}")
+        meta = bytes(meta)
+        if len(meta) > MAX_META_BYTES:
+            raise ValueError(f"meta must be at most {MAX_META_BYTES} bytes, got {len(meta)}")
+        return src, meta
+
     def _check_open(self) -> None:
         """Raises unless the writer can still take work; call with ``_lock`` held."""
         if self._closed:
-            raise RuntimeError(f"disk tier {self._path} is closed")
-        if not self._writer_alive:
-            raise RuntimeError(f"disk tier {self._path}: writer thread is not running")
+            raise RuntimeError(f"disk tier {self._s.path} is closed")
+        if not self._writer.alive:
+            raise RuntimeError(f"disk tier {self._s.path}: writer thread is not running")
+
+    def _join_or_refuse(self, block_hash: bytes, on_done: Callable[[bool], None]) -> str | None:
+        """With ``_lock`` held: ``_JOINED`` if the block is already queued (``on_done`` then
+        hears its outcome), ``_REFUSED`` if the tier takes no more work (counted and logged
+        here; the caller tells ``on_done``), else None."""
+        pending = self._s.pending.get(block_hash)
+        if pending is not None:
+            pending.callbacks.append(on_done)
+            return _JOINED
+        if self._closed or not self._writer.alive:
+            self.counters.blocks_dropped += 1
+            self._s.failures.warning(
+                "closed", "disk tier %s: closed, a block was not stored", self._s.path
+            )
+            return _REFUSED
+        return None
+
+    def _committed(self, block_hash: bytes) -> bool:
+        with self._s.index.read() as txn:
+            return self._s.index.has(txn, block_hash)
 
     def _enqueue(self, op: int, arg: Any) -> None:
         with self._lock:
-            if not self._closed and self._writer_alive:
-                self._queue.put((op, arg))
+            if not self._closed and self._writer.alive:
+                self._writer.submit(op, arg)
 
     def _count_load(self) -> None:
         with self._lock:
@@ -329,251 +370,11 @@ class DiskTier:
     def _valid(self, entry: Entry) -> bool:
         """Whether an entry can name one of this tier's blocks."""
         return (
-            entry.signature == self._signature
+            entry.signature == self._s.signature
             and entry.length == self.block_bytes
             and 0 <= entry.slot < self._total_slots
         )
 
-    def _unpin_pending(self, pending: _Pending) -> None:
-        with self._lock:
-            pending.readers -= 1
-            if pending.retired and not pending.readers:
-                self._pool.release(pending.buf)
 
-    # ---- start-up ----
-
-    def _recover(self) -> list[int]:
-        """Recovers the directory's blocks (see ``recover``); returns the free slots."""
-        found = recover(
-            self._index,
-            self._slots,
-            self._pool,
-            signature=self._signature,
-            block_bytes=self.block_bytes,
-            capacity_blocks=self._capacity_blocks,
-            total_slots=self._total_slots,
-        )
-        if found.dropped:
-            log.warning(
-                "disk tier %s: dropped %d blocks stored for another layout or format",
-                self._path,
-                found.dropped,
-            )
-        if found.moved:
-            log.info("disk tier %s: moved %d blocks into the smaller file", self._path, found.moved)
-        c = self.counters
-        c.blocks_evicted += found.dropped + found.evicted
-        c.checksum_failures += found.lost
-        c.used_blocks = found.used
-        c.used_bytes = c.used_blocks * self.block_bytes
-        return found.free_slots
-
-    # ---- the writer thread ----
-
-    def _run(self) -> None:
-        batch: list[tuple[int, Any]] = []
-        touches: list[tuple[int, Any]] = []
-        try:
-            stop = False
-            while not stop:
-                batch = self._next_batch()
-                stop = any(op == _STOP for op, _ in batch)
-                # Access-order bumps alone are not worth a synced commit per read burst: they
-                # ride along with the next commit that stores, drops or flushes. A crash loses
-                # only some LRU precision, never a block.
-                if len(touches) + len(batch) < _MAX_DEFERRED_TOUCHES and all(
-                    op == _TOUCH for op, _ in batch
-                ):
-                    touches += batch
-                    continue
-                batch, touches = touches + batch, []
-                self._process(batch)
-        finally:
-            with self._lock:
-                self._writer_alive = False
-            # Nothing can be queued any more; release the flushes that would otherwise wait
-            # forever, in the batch this thread may have died in and in the queue.
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            for op, arg in batch:
-                if op == _FLUSH and not arg.done.is_set():
-                    arg.finish(RuntimeError("disk tier writer stopped"))
-
-    def _next_batch(self) -> list[tuple[int, Any]]:
-        """Blocks for one operation, then takes whatever else is queued, up to a batch of puts."""
-        batch = [self._queue.get()]
-        puts = batch[0][0] == _PUT
-        while puts < self._batch_blocks:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            batch.append(item)
-            puts += item[0] == _PUT
-        return batch
-
-    def _process(self, batch: list[tuple[int, Any]]) -> None:
-        """Commits one batch, tells ``on_event``, then releases the batch's flush markers
-        (with the error of this batch or of any since the last flush)."""
-        events: list[tuple[str, bytes]] = []
-        try:
-            events = self._commit([item for item in batch if item[0] < _FLUSH])
-        except Exception as exc:  # one failed batch (an I/O error) must not stop the writer
-            log.exception("disk tier %s: write of %d operations failed", self._path, len(batch))
-            self._failure = exc
-            self._forget(batch)
-        if self._on_event is not None:
-            for kind, block_hash in events:
-                try:
-                    self._on_event(kind, block_hash)
-                except Exception:  # a subscriber's bug must not stop the disk tier
-                    log.exception("disk tier %s: on_event(%r) failed", self._path, kind)
-        error, flushed = self._failure, False
-        for op, marker in batch:
-            if op == _FLUSH:
-                marker.finish(error)
-                flushed = True
-        if flushed:
-            self._failure = None
-
-    def _commit(self, ops: list[tuple[int, Any]]) -> list[tuple[str, bytes]]:
-        """Writes ``ops`` in one transaction and returns the events to report.
-
-        The batch's payloads go into their slots, and are made durable, inside the transaction
-        and before it commits. A full map (a reader pinning an old snapshot keeps freed pages
-        from reuse) is answered by evicting the oldest blocks in a commit of their own and
-        trying again. LMDB reuses the pages a commit frees only once another commit has
-        followed it, so with nothing left to evict one marker commit goes first. If even that
-        finds no room, the batch is given up with an error in the log (its blocks are not
-        stored), never raised to a caller.
-        """
-        events: list[tuple[str, bytes]] = []
-        marked = False
-        while True:
-            taken: list[int] = []
-            try:
-                with self._index.write() as txn:
-                    changes, writes, freed = self._apply(txn, ops, taken)
-                    if writes:
-                        self._slots.write(writes)
-                        if self._sync:
-                            self._slots.sync()
-                    del writes  # no view of a pending buffer outlives the batch
-            except lmdb.MapFullError:
-                self._table.free(taken)
-                puts = sum(op == _PUT for op, _ in ops)
-            except BaseException:
-                self._table.free(taken)
-                raise
-            else:
-                # Only now, with their deletions committed, may a later batch reuse these.
-                self._table.free(freed)
-                return events + self._publish(changes, ops)
-            try:
-                with self._index.write() as txn:
-                    evicted = self._index.evict(txn, max(puts, 1))
-                    mark = not evicted and not marked
-                    if mark:
-                        self._index.mark(txn)
-            except lmdb.MapFullError:
-                evicted, mark = [], False
-            if evicted or mark:
-                marked = marked or mark
-                self._table.free([slot for _, slot in evicted])
-                events += self._publish([("evicted", h) for h, _ in evicted], [])
-                continue
-            log.error("disk tier %s: map full, %d blocks not stored", self._path, puts)
-            self._forget(ops)
-            return events
-
-    def _apply(
-        self, txn: lmdb.Transaction, ops: list[tuple[int, Any]], taken: list[int]
-    ) -> tuple[list[tuple[str, bytes]], list[tuple[int, memoryview]], list[int]]:
-        """Applies puts, access bumps and drops to the index, in order.
-
-        Returns what changed (in order), the payload writes to make before the commit and the
-        slots the commit frees; the slots given to puts go into ``taken`` as they are taken.
-        """
-        changes: list[tuple[str, bytes]] = []
-        writes: list[tuple[int, memoryview]] = []
-        freed: list[int] = []
-        used = self.counters.used_blocks  # only this thread changes it
-        for op, arg in ops:
-            block_hash = arg[0] if op == _DROP else arg
-            entry = self._index.get(txn, block_hash)
-            if op == _PUT:
-                if entry is not None:
-                    continue
-                for evicted, slot in self._index.evict(txn, used + 1 - self._capacity_blocks):
-                    changes.append(("evicted", evicted))
-                    freed.append(slot)
-                    used -= 1
-                slot = self._table.take()
-                taken.append(slot)
-                with self._lock:
-                    pending = self._pending[block_hash]
-                writes.append((slot, memoryview(pending.buf)))
-                new = Entry(FORMAT_VERSION, 0, slot, self._signature, self.block_bytes, 0)
-                self._index.insert(txn, block_hash, new._replace(checksum=pending.checksum))
-                changes.append(("stored", block_hash))
-                used += 1
-            elif entry is None:
-                continue
-            elif op == _TOUCH:
-                self._index.touch(txn, block_hash, entry)
-            elif entry.slot == arg[1]:  # not a copy stored again since the bad read
-                self._index.delete(txn, block_hash, entry)
-                if entry.slot >= 0:
-                    freed.append(entry.slot)
-                changes.append(("dropped", block_hash))
-                used -= 1
-        return changes, writes, freed
-
-    def _publish(
-        self, changes: list[tuple[str, bytes]], ops: list[tuple[int, Any]]
-    ) -> list[tuple[str, bytes]]:
-        """After a commit: counts the changes, forgets committed puts, returns public events."""
-        c = self.counters
-        with self._lock:
-            for kind, _ in changes:
-                if kind == "stored":
-                    c.blocks_stored += 1
-                    c.bytes_in += self.block_bytes
-                    c.used_blocks += 1
-                else:
-                    c.blocks_evicted += kind == "evicted"
-                    c.used_blocks -= 1
-            c.used_bytes = c.used_blocks * self.block_bytes
-        self._forget(ops)
-        return [("stored" if kind == "stored" else "removed", h) for kind, h in changes]
-
-    def _forget(self, ops: list[tuple[int, Any]]) -> None:
-        """Takes the batch's puts out of the pending map (committed, or lost to an error); a
-        buffer goes back to the pool once nobody is copying from it."""
-        with self._lock:
-            for op, block_hash in ops:
-                if op == _PUT:
-                    pending = self._pending.pop(block_hash, None)
-                    if pending is not None:
-                        pending.retired = True
-                        if not pending.readers:
-                            self._pool.release(pending.buf)
-
-
-def _plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
-    """Returns (budget in blocks, most puts per batch = spare slots, map size in bytes)."""
-    capacity = capacity_bytes // block_bytes
-    if map_size is not None:
-        capacity = min(capacity, (map_size - _MAP_SLACK) // _INDEX_BYTES)
-    if capacity < 1:
-        raise ValueError(
-            f"capacity {capacity_bytes} B or map size {map_size} B holds no block of "
-            f"{block_bytes} B"
-        )
-    batch = max(1, min(_MAX_BATCH_BYTES // block_bytes, capacity // 8))
-    if map_size is None:
-        map_size = max(_MAP_FLOOR, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES)
-    return capacity, batch, map_size
+def _ignore(ok: bool) -> None:
+    """The ``on_done`` of a caller that does not need to know."""

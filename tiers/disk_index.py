@@ -2,9 +2,13 @@
 
 Two named databases change together in the same transactions: ``index`` maps a 16-byte block
 hash to an ``Entry`` (format version, access sequence number, slot, layout signature, payload
-length, xxh3_64 of the payload); ``order`` maps the big-endian sequence number back to the hash,
-so its first key is the least recently used block. Every value is a few dozen bytes: the block
-bytes themselves live in the data file (``disk_slots``).
+length, xxh3_64 of the payload) followed by the block's meta (opaque bytes, at most
+``MAX_META_BYTES``); ``order`` maps the big-endian sequence number back to the hash, so its first
+key is the least recently used block. The block bytes themselves live in the data file
+(``disk_slots``).
+
+Format 2 entries (no meta) are still read, as blocks with empty meta; an entry is written in
+the current format whenever it is rewritten (a read bumping its recency, a move at open).
 
 ``BlockIndex`` follows py-lmdb's rules: one writer thread (the tier's) makes every write
 transaction, readers use short read transactions.
@@ -21,17 +25,19 @@ import lmdb
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (2, 3)  # 2: the same header with no meta after it
+MAX_META_BYTES = 4096
 # big-endian, the checksum last: its bytes are those of ``xxh3_64_digest``
 _ENTRY = struct.Struct(">HQQ16sQQ")
 # order key: big-endian, so LMDB's byte order is access order
 _SEQ = struct.Struct(">Q")
-# A key of the main database, written only to make a commit (see DiskTier._commit).
+# A key of the main database, written only to make a commit (see ``disk_writer``).
 _MARKER = b"kvtier-marker"
 
 
 class Entry(NamedTuple):
-    """Where a block is and how to check it."""
+    """Where a block is, how to check it, and the caller's meta."""
 
     version: int
     seq: int
@@ -39,29 +45,43 @@ class Entry(NamedTuple):
     signature: bytes
     length: int
     checksum: int
+    meta: bytes = b""
 
     def pack(self) -> bytes:
-        return _ENTRY.pack(*self)
+        """The value stored for this entry, always in the current format."""
+        return _ENTRY.pack(FORMAT_VERSION, *self[1:6]) + self.meta
 
 
 UNREADABLE = Entry(0, 0, -1, b"", 0, 0)
 """What ``BlockIndex.get`` returns for a value of another format: an entry naming no slot."""
 
 
-def parse(value: bytes) -> Entry | None:
-    """The entry stored as ``value``, or None for a value of another format."""
-    if len(value) != _ENTRY.size:
+def parse(value: bytes | memoryview) -> Entry | None:
+    """The entry stored as ``value`` (meta copied out), or None for a value of another format."""
+    if len(value) < _ENTRY.size or len(value) > _ENTRY.size + MAX_META_BYTES:
         return None
-    entry = Entry._make(_ENTRY.unpack(value))
-    return entry if entry.version == FORMAT_VERSION else None
+    version, *fields = _ENTRY.unpack_from(value)
+    if version not in _READABLE_VERSIONS or (version == 2 and len(value) != _ENTRY.size):
+        return None
+    return Entry(version, *fields, bytes(value[_ENTRY.size :]))
 
 
 class BlockIndex:
-    """The ``index`` and ``order`` databases of the LMDB environment at ``path``."""
+    """The ``index`` and ``order`` databases of the LMDB environment at ``path``.
+
+    Files are created with mode 0600. ``map_size`` is address space only: the file grows as
+    used.
+    """
 
     def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
         self.env = lmdb.open(
-            path, map_size=map_size, max_dbs=3, max_readers=512, sync=sync, metasync=sync
+            path,
+            map_size=map_size,
+            max_dbs=3,
+            max_readers=512,
+            sync=sync,
+            metasync=sync,
+            mode=0o600,
         )
         try:
             self.env.reader_check()
@@ -88,6 +108,20 @@ class BlockIndex:
     def has(self, txn: lmdb.Transaction, block_hash: bytes) -> bool:
         return txn.get(block_hash, db=self._index) is not None
 
+    def scan(self, after: bytes | None, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` (hash, meta) pairs in key order after ``after``, in one short read."""
+        found: list[tuple[bytes, bytes]] = []
+        with self.read() as txn:
+            cursor = txn.cursor(db=self._index)
+            more = cursor.first() if after is None else cursor.set_range(after)
+            while more and len(found) < limit:
+                block_hash = bytes(cursor.key())
+                entry = parse(cursor.value()) if block_hash != after else None
+                if entry is not None:
+                    found.append((block_hash, entry.meta))
+                more = cursor.next()
+        return found
+
     def touch(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
         """Makes the block's stored ``entry`` the most recently used."""
         txn.delete(_SEQ.pack(entry.seq), db=self._order)
@@ -109,12 +143,12 @@ class BlockIndex:
         if entry is not UNREADABLE:  # its order key, if any, is left to ``evict`` and ``load``
             txn.delete(_SEQ.pack(entry.seq), db=self._order)
 
-    def evict(self, txn: lmdb.Transaction, count: int) -> list[tuple[bytes, int]]:
-        """Deletes up to ``count`` least recently used blocks; returns their hashes and slots.
+    def evict(self, txn: lmdb.Transaction, count: int) -> list[tuple[bytes, Entry]]:
+        """Deletes up to ``count`` least recently used blocks; returns their hashes and entries.
 
         An order key whose entry is gone or newer is stale: it is deleted and not counted.
         """
-        victims: list[tuple[bytes, bytes, int]] = []
+        victims: list[tuple[bytes, bytes, Entry]] = []
         stale = []
         if count > 0:
             for key, block_hash in txn.cursor(db=self._order):
@@ -123,7 +157,7 @@ class BlockIndex:
                 if entry is None or entry.seq != _SEQ.unpack(key)[0]:
                     stale.append(key)
                     continue
-                victims.append((key, block_hash, entry.slot))
+                victims.append((key, bytes(block_hash), entry))
                 if len(victims) == count:
                     break
         for key in stale:
@@ -131,7 +165,7 @@ class BlockIndex:
         for key, block_hash, _ in victims:
             txn.delete(block_hash, db=self._index)
             txn.delete(key, db=self._order)
-        return [(block_hash, slot) for _, block_hash, slot in victims]
+        return [(block_hash, entry) for _, block_hash, entry in victims]
 
     def mark(self, txn: lmdb.Transaction) -> None:
         """Writes a marker key, only so that a commit happens."""

@@ -1,20 +1,60 @@
-"""Opening a disk tier directory: which blocks survive, and fitting the data file to the budget.
+"""Opening a disk tier directory: sizing, which blocks survive, and fitting the data file to the
+budget.
 
-Entries of another layout or format, or past the end of the data file, are dropped; the
-oldest blocks are evicted down to the budget; blocks in slots past a smaller budget's end are
-moved into free slots below it (checksum verified, made durable before the index points at
-them) so the file can shrink.
+An index found damaged before or while it is opened is moved aside and the tier starts empty
+(``disk_dir``). Entries of another layout or format, or past the end of the data file, are
+dropped; the oldest blocks are evicted down to the budget; blocks in slots past a smaller
+budget's end are moved into free slots below it (checksum verified, made durable before the
+index points at them) so the file can shrink.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from dataclasses import dataclass
 
 import lmdb
 import xxhash
 
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.disk_commit import DiskState
+from kvtier.tiers.disk_dir import TierDirectory, is_damage
 from kvtier.tiers.disk_index import BlockIndex, Entry
-from kvtier.tiers.disk_slots import BufferPool, SlotFile
+from kvtier.tiers.disk_slots import DATA_FILE, BufferPool, SlotFile, SlotTable, slot_stride
+from kvtier.tiers.ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+# A batch takes at most this many bytes of new blocks (and at most an eighth of the budget):
+# enough to amortise its fdatasync and commit; it is also the number of spare slots.
+_MAX_BATCH_BYTES = 64 << 20
+# Map bytes per slot: its index entry with the largest meta (two overflow pages), its order
+# entry, B-tree pages and the pages older snapshots still hold, with room to spare; plus a
+# slack for meta pages; the default map is never below _MAP_FLOOR. The map is address space
+# only: the file grows as used.
+_INDEX_BYTES = 12 << 10
+_MAP_SLACK = 256 << 10
+_MAP_FLOOR = 64 << 20
+# How many batches of returned put buffers the pool keeps warm.
+_POOL_BATCHES = 2
+
+
+def plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
+    """Returns (budget in blocks, most puts per batch = spare slots, map size in bytes)."""
+    capacity = capacity_bytes // block_bytes
+    if map_size is not None:
+        capacity = min(capacity, (map_size - _MAP_SLACK) // _INDEX_BYTES)
+    if capacity < 1:
+        raise ValueError(
+            f"capacity {capacity_bytes} B or map size {map_size} B holds no block of "
+            f"{block_bytes} B"
+        )
+    batch = max(1, min(_MAX_BATCH_BYTES // block_bytes, capacity // 8))
+    if map_size is None:
+        map_size = max(_MAP_FLOOR, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES)
+    return capacity, batch, map_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +67,79 @@ class Recovered:
     moved: int
     lost: int
     free_slots: list[int]
+
+
+def open_state(
+    directory: TierDirectory,
+    signature: bytes,
+    block_bytes: int,
+    capacity_blocks: int,
+    spare_slots: int,
+    map_size: int,
+    sync: bool,
+    counters: TierCounters,
+) -> tuple[DiskState, Recovered]:
+    """Opens the index and the data file in ``directory`` (held) and recovers their blocks;
+    an index found damaged before or while doing so is moved aside and the tier starts empty.
+    Returns the tier's shared state and what recovery found.
+    """
+    total_slots = capacity_blocks + spare_slots
+    pool = BufferPool(slot_stride(block_bytes), min(total_slots, _POOL_BATCHES * spare_slots))
+
+    def attempt() -> tuple[BlockIndex, SlotFile, Recovered]:
+        index = BlockIndex(directory.path, map_size=map_size, sync=sync)
+        slots = None
+        try:
+            slots = SlotFile(os.path.join(directory.path, DATA_FILE), pool.size, pool)
+            found = recover(
+                index,
+                slots,
+                pool,
+                signature=signature,
+                block_bytes=block_bytes,
+                capacity_blocks=capacity_blocks,
+                total_slots=total_slots,
+            )
+        except BaseException:
+            if slots is not None:
+                slots.close()
+            index.close()
+            raise
+        return index, slots, found
+
+    directory.check()
+    try:
+        index, slots, found = attempt()
+    except BaseException as exc:
+        if not is_damage(exc):
+            raise
+        directory.move_aside(f"{type(exc).__name__}: {exc}")
+        index, slots, found = attempt()
+    directory.make_private()
+    if found.dropped:
+        log.warning(
+            "disk tier %s: dropped %d blocks stored for another layout or format",
+            directory.path,
+            found.dropped,
+        )
+    if found.moved:
+        log.info("disk tier %s: moved %d blocks into the smaller file", directory.path, found.moved)
+    lock = threading.Lock()
+    table = SlotTable(lock, found.free_slots)
+    state = DiskState(
+        directory.path,
+        signature,
+        block_bytes,
+        index,
+        slots,
+        table,
+        pool,
+        lock,
+        threading.Condition(lock),
+        counters,
+        RateLimitedLog(logging.getLogger("kvtier.tiers.disk")),
+    )
+    return state, found
 
 
 def recover(

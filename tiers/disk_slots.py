@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
+DATA_FILE = "blocks.dat"
+"""The data file's name in the tier's directory."""
 PAGE = 4096
 """Alignment of slot offsets, lengths and buffers for ``O_DIRECT`` (a 4Kn device's block)."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 forces the buffered path (tests set it so)
@@ -105,7 +107,8 @@ class SlotFile:
             os.posix_fallocate(self._fd, 0, size)
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+                message = f"cannot allocate {size} B: {exc.strerror}"
+                raise OSError(exc.errno, message, self.path) from None
             os.ftruncate(self._fd, size)  # no preallocation on this filesystem: a sparse file
 
     def write(self, writes: Sequence[tuple[int, memoryview]]) -> None:
