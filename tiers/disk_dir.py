@@ -214,12 +214,14 @@ class TierDirectory:
 
     def mark_clean(self) -> None:
         """Notes that the index was closed cleanly (call after closing it, before ``release``)."""
-        data = os.path.join(self.path, LMDB_FILE)
-        with contextlib.suppress(FileNotFoundError):
-            mark = os.path.join(self.path, CLEAN_FILE)
-            fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(_identity(data))
+        try:
+            note = _identity(os.path.join(self.path, LMDB_FILE))
+        except FileNotFoundError:
+            return
+        mark = os.path.join(self.path, CLEAN_FILE)
+        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(note)
 
     def _take_clean_mark(self) -> str | None:
         """The clean-close note, removed: from now on a crash must not find it."""
