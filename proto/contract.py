@@ -7,6 +7,8 @@ client finds a daemon started with no flags without importing any of the daemon'
 from __future__ import annotations
 
 import os
+import pwd
+import stat
 from pathlib import Path
 
 PROTOCOL_VERSION = 2
@@ -36,6 +38,76 @@ def runtime_dir() -> Path:
     if base and os.path.isdir(base):
         return Path(base) / "kvtier"
     return Path("/tmp") / f"kvtier-{os.getuid()}"
+
+
+class UnsafeSocketDirectory(PermissionError):
+    """The socket's directory could be controlled by another user; the message says how."""
+
+
+def ensure_socket_dir(path: str | os.PathLike[str]) -> Path:
+    """Makes sure the directory that holds a unix socket is this user's alone; returns it.
+
+    Creates it (mode 0700) if missing. Refuses, with ``UnsafeSocketDirectory`` naming the
+    directory, its owner and mode: one owned by another user or writable by group or others
+    (someone else could swap the socket and receive the engine's connection, e.g. by creating
+    the predictable ``/tmp/kvtier-<uid>`` first), and a path component that is a symlink owned
+    by another user (one we or root could not have made). The daemon calls this before it
+    binds; a client before it connects.
+    """
+    path = Path(os.path.abspath(path))
+    _check_symlinks(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)
+    else:
+        os.chmod(path, 0o700)  # whatever the umask said
+    _check_symlinks(path)  # again: nothing was swapped in while we made it
+    st = os.stat(path)
+    uid = os.getuid()
+    mode = stat.S_IMODE(st.st_mode)
+    found = f"owner {_user(st.st_uid)}, mode {mode:04o}"
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeSocketDirectory(f"socket directory {path} is not a directory ({found})")
+    if st.st_uid != uid:
+        raise UnsafeSocketDirectory(
+            f"socket directory {path} belongs to another user ({found}), not to "
+            f"{_user(uid)}; remove it or choose another path (--socket)"
+        )
+    if mode & 0o022:
+        raise UnsafeSocketDirectory(
+            f"socket directory {path} is writable by group or others ({found}); "
+            f"chmod 700 it or choose another path (--socket)"
+        )
+    return path
+
+
+def _check_symlinks(path: Path) -> None:
+    """Refuses a symlink among ``path``'s components that neither root nor this user owns."""
+    trusted = (0, os.getuid())
+    current = Path(path.anchor)
+    for part in path.parts[1:]:
+        current = current / part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+            raise UnsafeSocketDirectory(
+                f"socket directory {path}: {current} is a symlink owned by "
+                f"{_user(st.st_uid)}, not by you or root; remove it or choose another path"
+            )
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def default_socket(name: str = DEFAULT_NAME) -> Path:

@@ -40,11 +40,11 @@ class Arena:
         self._fd = self._create()
         try:
             self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         except BaseException:
             os.close(self._fd)
             self.path.unlink(missing_ok=True)
             raise
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         log.info("arena %s: %d bytes of shared memory", self.path, size)
 
     def _create(self) -> int:

@@ -3,17 +3,25 @@
 The defaults work on a fresh machine with no root and no flags: the socket goes under the
 user's runtime directory, the disk tier under ``~/.local/share/kvtier/<name>``, statistics on
 127.0.0.1. A TOML file uses the field names below (``host_bytes = "4GiB"`` or plain integers).
+
+Every value is checked against its field's type, read from ``DaemonConfig`` itself, so a field
+added later is checked too: a value of the wrong type is a ``ConfigError`` naming the key and
+where it came from (the TOML file, or the flag), never a traceback from deep inside the daemon.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
 import os
 import re
+import stat
 import sys
+import types
+import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Annotated
 
 from kvtier.proto import contract
 
@@ -22,9 +30,23 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10 needs the tomli backport
     import tomli as tomllib
 
+log = logging.getLogger(__name__)
+
 GiB = 1 << 30
+DEFAULT_STATS_PORT = 9477
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_BYTES = "bytes"
+ByteSize = Annotated[int, _BYTES]
+"""A byte count that may also be written as a size: ``"2GiB"``, ``"512M"``."""
+
+
+class ConfigError(ValueError):
+    """A setting has a wrong type or value; ``key`` names it, the message says where it is."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def parse_size(text: str | int) -> int:
@@ -52,19 +74,20 @@ class DaemonConfig:
     tcp: str | None = None
     """``host:port`` to listen on as well; requires a token."""
     token_file: Path | None = None
-    host_bytes: int = 2 * GiB
+    host_bytes: ByteSize = 2 * GiB
     data_dir: Path | None = None
-    disk_bytes: int = 16 * GiB
+    disk_bytes: ByteSize = 16 * GiB
     """0 disables the disk tier (commits are then not durable)."""
     disk_sync: bool = True
     """fsync each disk commit; without it commits survive a daemon crash but not a power loss."""
     stats_host: str = "127.0.0.1"
-    stats_port: int = 9477
-    """0 picks a free port; -1 disables the HTTP endpoint."""
+    stats_port: int | None = None
+    """None: 9477, or any free port while another process holds that one (the log says which);
+    0: any free port; -1: no HTTP endpoint. A port asked for that is taken stops the start."""
     lease_s: float = 30.0
     max_hashes: int = contract.MAX_HASHES
     grace_s: float = 5.0
-    flush_interval_s: float = 1.0
+    flush_interval_s: float = 0.2
     """Most time a committed block waits before the disk writer makes it durable."""
     max_layouts: int = 8
     """Layouts (models) served at once; each has its own host_bytes arena and disk_bytes."""
@@ -75,23 +98,29 @@ class DaemonConfig:
     """Most of a layout's slots one session may hold reserved, and as many acquired."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_type(f.name, getattr(self, f.name))
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
-            raise ValueError(f"daemon name {self.name!r}: use letters, digits, '_', '-', '.'")
+            raise ConfigError("name", f"name {self.name!r}: use letters, digits, '_', '-', '.'")
         if self.host_bytes <= 0:
-            raise ValueError(f"host_bytes must be positive, got {self.host_bytes}")
+            raise ConfigError("host_bytes", f"host_bytes must be positive, got {self.host_bytes}")
         if self.disk_bytes < 0:
-            raise ValueError(f"disk_bytes must be >= 0, got {self.disk_bytes}")
+            raise ConfigError("disk_bytes", f"disk_bytes must be >= 0, got {self.disk_bytes}")
         if self.lease_s <= 0:
-            raise ValueError(f"lease_s must be positive, got {self.lease_s}")
+            raise ConfigError("lease_s", f"lease_s must be positive, got {self.lease_s}")
         if not 1 <= self.max_hashes <= contract.MAX_HASHES:
-            raise ValueError(f"max_hashes must be in 1..{contract.MAX_HASHES}")
+            raise ConfigError("max_hashes", f"max_hashes must be in 1..{contract.MAX_HASHES}")
         if self.flush_interval_s <= 0:
-            raise ValueError(f"flush_interval_s must be positive, got {self.flush_interval_s}")
+            raise ConfigError("flush_interval_s", "flush_interval_s must be positive")
         for name in ("max_layouts", "max_sessions", "max_watchers"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                raise ConfigError(name, f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 < self.session_slot_share <= 1:
-            raise ValueError(f"session_slot_share must be in (0, 1], got {self.session_slot_share}")
+            raise ConfigError("session_slot_share", "session_slot_share must be in (0, 1]")
+        if self.stats_port is not None and not -1 <= self.stats_port <= 65535:
+            raise ConfigError(
+                "stats_port", f"stats_port must be in -1..65535, not {self.stats_port}"
+            )
 
     @property
     def socket_path(self) -> Path:
@@ -106,41 +135,120 @@ class DaemonConfig:
         return f"kvtier-{self.name}"
 
     def read_token(self) -> str | None:
-        """The TCP token: from ``token_file`` if set, else ``$KVTIER_TOKEN``."""
-        if self.token_file is not None:
-            token = Path(self.token_file).read_text().strip()
-        else:
-            token = os.environ.get(contract.TOKEN_ENV, "").strip()
+        """The TCP token: from ``token_file`` if set (warning if others may read it), else
+        ``$KVTIER_TOKEN``. Raises ``ConfigError`` naming a file that cannot be read."""
+        if self.token_file is None:
+            return os.environ.get(contract.TOKEN_ENV, "").strip() or None
+        path = self.token_file
+        try:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError("token_file", f"token file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError("token_file", f"token file {path} is not text") from None
+        if mode & 0o077:
+            log.warning(
+                "token file %s is open to group or others (mode %03o): chmod 600 it", path, mode
+            )
         return token or None
 
 
-_SIZES = {"host_bytes", "disk_bytes"}
-_PATHS = {"socket", "token_file", "data_dir"}
+# The field types, resolved once: ``from __future__ import annotations`` leaves them strings.
+_HINTS = typing.get_type_hints(DaemonConfig, include_extras=True)
+_DESCRIPTIONS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    Path: "a path",
+    type(None): "unset",
+}
 
 
-def _coerce(name: str, value: object) -> object:
-    if value is None:
-        return None
-    if name in _SIZES:
-        return parse_size(value)  # type: ignore[arg-type]
-    if name in _PATHS:
-        return Path(os.path.expanduser(str(value)))
+def _accepted(name: str) -> tuple[tuple[type, ...], bool]:
+    """The types field ``name`` takes, and whether it is a byte size."""
+    hint = _HINTS[name]
+    size = typing.get_origin(hint) is Annotated and _BYTES in hint.__metadata__
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint), size
+    return (hint,), size
+
+
+def _check_type(name: str, value: object) -> None:
+    accepted, size = _accepted(name)
+    for kind in accepted:
+        # bool is an int to Python, but ``port = true`` is a mistake, not port 1
+        if isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool)):
+            return
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            return
+    wanted = " or ".join(_DESCRIPTIONS.get(kind, kind.__name__) for kind in accepted)
+    if size:
+        wanted = "a size (2GiB, 512MiB) or a byte count"
+    raise ConfigError(name, f"{name} must be {wanted}, got {value!r}")
+
+
+def _convert(name: str, value: object, from_flag: bool) -> object:
+    """``value`` as field ``name`` takes it: a size or path given as text parsed; a flag's
+    text also read as the number or switch its field wants. Anything else is left to the
+    type check."""
+    accepted, size = _accepted(name)
+    if isinstance(value, str) and size:
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(name, f"{name}: {exc}") from None
+    if isinstance(value, str) and Path in accepted:
+        return Path(os.path.expanduser(value))
+    if float in accepted and int not in accepted and type(value) is int:
+        return float(value)
+    numbers = [kind for kind in (int, float) if kind in accepted]
+    if isinstance(value, str) and from_flag and numbers:
+        for kind in numbers:
+            try:
+                return kind(value)
+            except ValueError:
+                continue
+        raise ConfigError(name, f"{name} must be {_DESCRIPTIONS[numbers[0]]}, got {value!r}")
     return value
 
 
 def load(path: Path | None = None, **overrides: object) -> DaemonConfig:
-    """Defaults, then the TOML file at ``path``, then ``overrides`` that are not ``None``."""
+    """Defaults, then the TOML file at ``path``, then ``overrides`` (flags) that are not None.
+
+    Raises ``ConfigError`` naming the key and the file or flag it came from.
+    """
     known = {f.name for f in fields(DaemonConfig)}
     values: dict[str, object] = {}
+    where: dict[str, str] = {}
     if path is not None:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError("config", f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"config file {path}: not valid TOML: {exc}") from None
         unknown = set(table) - known
         if unknown:
-            raise ValueError(f"{path}: unknown settings {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(
+                sorted(unknown)[0],
+                f"config file {path}: unknown settings {sorted(unknown)}; known: {sorted(known)}",
+            )
         values.update(table)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return DaemonConfig(**{k: _coerce(k, v) for k, v in values.items()})
+        where.update({key: f"config file {path}" for key in table})
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = value
+            where[key] = "--" + key.replace("_", "-")
+    try:
+        converted = {k: _convert(k, v, where[k].startswith("--")) for k, v in values.items()}
+        return DaemonConfig(**converted)
+    except ConfigError as exc:
+        raise ConfigError(exc.key, f"{where.get(exc.key, 'defaults')}: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,11 +257,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--config", type=Path, help="TOML file of settings (flags override it)")
     add("--name", help=f"daemon name: socket, arena and data dir (default {d.name!r})")
-    add("--socket", type=Path, help=f"unix socket (default {contract.default_socket()})")
+    add("--socket", help=f"unix socket (default {contract.default_socket()})")
     add("--tcp", help="also listen on HOST:PORT (requires --token-file or $KVTIER_TOKEN)")
-    add("--token-file", type=Path, help="file holding the shared token for TCP clients")
+    add("--token-file", help="file holding the shared token for TCP clients")
     add("--host-bytes", help="host tier (shared-memory arena) size, e.g. 2GiB (default 2GiB)")
-    add("--data-dir", type=Path, help="disk tier directory (default ~/.local/share/kvtier/NAME)")
+    add("--data-dir", help="disk tier directory (default ~/.local/share/kvtier/NAME)")
     add("--disk-bytes", help="disk tier budget, e.g. 16GiB; 0 disables it (default 16GiB)")
     add(
         "--disk-sync",
@@ -162,27 +270,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fsync every disk commit (default on)",
     )
     add("--stats-host", help="statistics HTTP address (default 127.0.0.1)")
-    add("--stats-port", type=int, help="statistics HTTP port; 0 = any, -1 = off (default 9477)")
-    add("--lease-s", type=float, help="session lease without keep-alive, seconds (default 30)")
+    add(
+        "--stats-port",
+        help=f"statistics HTTP port; 0 = any, -1 = off (default {DEFAULT_STATS_PORT}, "
+        "or any free port while another daemon has that one)",
+    )
+    add("--lease-s", help="session lease without keep-alive, seconds (default 30)")
     add(
         "--flush-interval-s",
-        type=float,
-        help="most seconds a committed block waits to be made durable on disk (default 1)",
+        help="most seconds a committed block waits to be made durable on disk "
+        f"(default {d.flush_interval_s})",
     )
-    add(
-        "--max-layouts", type=int, help=f"models (layouts) served at once (default {d.max_layouts})"
-    )
-    add("--max-sessions", type=int, help=f"client sessions at once (default {d.max_sessions})")
-    add("--max-watchers", type=int, help=f"WatchEvents subscribers (default {d.max_watchers})")
+    add("--max-layouts", help=f"models (layouts) served at once (default {d.max_layouts})")
+    add("--max-sessions", help=f"client sessions at once (default {d.max_sessions})")
+    add("--max-watchers", help=f"WatchEvents subscribers (default {d.max_watchers})")
     add(
         "--session-slot-share",
-        type=float,
         help="most of a layout's slots one session may hold reserved or acquired (default 0.5)",
     )
 
 
 def from_args(args: argparse.Namespace) -> DaemonConfig:
-    """The config that ``kvtier serve`` flags describe."""
-    names = {f.name for f in dataclasses.fields(DaemonConfig)}
+    """The config that ``kvtier serve`` flags describe (raises ``ConfigError``)."""
+    names = {f.name for f in fields(DaemonConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in names}
     return load(args.config, **overrides)

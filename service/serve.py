@@ -5,7 +5,8 @@ Builds the store (each layout's arena and tiers come with its first client), the
 and the statistics endpoint; logs where each listens; then serves until SIGTERM or SIGINT.
 Shutdown: health goes NOT_SERVING, keep-alive and event streams end, in-flight calls get
 ``grace_s`` to finish, every session's slots are given back, the disk writers flush and LMDB
-closes — a restart finds every committed block.
+closes — a restart finds every committed block. A start that fails at any step undoes what it made (socket, arena, stats
+endpoint, the disk tier's lock) and exits 1 with one log line saying why.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 
 import grpc
@@ -29,7 +32,7 @@ from kvtier.proto import kvtier_pb2 as pb
 from kvtier.service import config as config_mod
 from kvtier.service.arena import ArenaError
 from kvtier.service.auth import TokenInterceptor
-from kvtier.service.config import DaemonConfig
+from kvtier.service.config import DEFAULT_STATS_PORT, ConfigError, DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
 from kvtier.service.handlers import add_servicer
@@ -55,49 +58,81 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_mod.from_args(args)
         asyncio.run(serve(config))
-    except (StartError, ArenaError, ValueError, OSError) as exc:
+    except (StartError, ConfigError) as exc:
         log.error("kvtier serve: %s", exc)
         return 1
     return 0
 
 
 async def serve(config: DaemonConfig) -> None:
-    """Runs the daemon until SIGTERM/SIGINT."""
+    """Runs the daemon until SIGTERM/SIGINT.
+
+    A start that fails at any step removes what it made (socket, stats endpoint, the store
+    with any arena and disk tier lock it took) and raises ``StartError`` saying why.
+    """
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    async with contextlib.AsyncExitStack() as made:
+        try:
+            servers, health, events = await _start(config, stopping, made)
+        except Exception as exc:
+            log.debug("kvtier %r: start-up failed", config.name, exc_info=True)
+            raise StartError(_why(exc)) from None
+        try:
+            await stopping.wait()
+            log.info("kvtier %r stopping: NOT_SERVING, finishing in-flight calls", config.name)
+            await health.enter_graceful_shutdown()
+            events.close()
+            await asyncio.gather(*(s.stop(config.grace_s) for s in servers))
+        finally:
+            stopping.set()
+    log.info("kvtier %r stopped; disk tier flushed and closed", config.name)
+
+
+async def _start(
+    config: DaemonConfig, stopping: asyncio.Event, made: contextlib.AsyncExitStack
+) -> tuple[list[grpc.aio.Server], health_aio.HealthServicer, EventHub]:
+    """Builds and starts everything, entering each part's undoing into ``made`` as it goes."""
     token = config.read_token() if config.tcp else None
     if config.tcp and not token:
         raise StartError(f"--tcp needs a token: --token-file or ${contract.TOKEN_ENV}")
     socket_path = config.socket_path
     _prepare_socket(socket_path)
 
-    events = EventHub(loop, max_subscribers=config.max_watchers)
+    events = EventHub(asyncio.get_running_loop(), max_subscribers=config.max_watchers)
     store = BlockStore(config, events)
+    made.push_async_callback(asyncio.to_thread, store.close)  # idempotent: after the daemon's
     daemon = Daemon(config, store)
+    made.push_async_callback(asyncio.to_thread, daemon.shutdown)  # sessions, then the store
     metrics = Metrics(daemon.stats)
     servicer = KvTierServicer(daemon, events, metrics, stopping)
+    made.callback(servicer.close)
     health = health_aio.HealthServicer()
     servers = [_server(servicer, health, None)]
+    made.push_async_callback(servers[0].stop, None)
     with _private_umask():
         servers[0].add_insecure_port(contract.unix_target(socket_path))
         await servers[0].start()
+    made.callback(_remove_socket, socket_path, os.lstat(socket_path).st_ino)
     os.chmod(socket_path, 0o600)
     where = [f"grpc unix:{socket_path}"]
     if config.tcp:
         tcp = _server(servicer, health, TokenInterceptor(token))
+        made.push_async_callback(tcp.stop, None)
         port = tcp.add_insecure_port(config.tcp)
         await tcp.start()
         servers.append(tcp)
         where.append(f"grpc tcp {config.tcp} (port {port}, token required)")
-    http = None
-    if config.stats_port >= 0:
-        http = StatsServer(config.stats_host, config.stats_port, metrics.registry, daemon.stats)
+    if config.stats_port != -1:
+        http = _stats_server(config, metrics, daemon)
+        made.callback(http.close)
         where.append(f"stats {http.url}/metrics and /stats")
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.create_task(_reap(daemon, config.lease_s))
+    made.callback(reaper.cancel)
     disk = f"disk tiers under {config.disk_path}" if config.disk_bytes else "no disk tier"
     log.info(
         "kvtier %r serving: %s; %d B of shared memory per layout (up to %d); %s",
@@ -107,21 +142,39 @@ async def serve(config: DaemonConfig) -> None:
         config.max_layouts,
         disk,
     )
+    return servers, health, events
+
+
+def _stats_server(config: DaemonConfig, metrics: Metrics, daemon: Daemon) -> StatsServer:
+    """The HTTP endpoint: on the port asked for, or on the default one, or on any free port
+    while another process (a second daemon) holds the default."""
+    host = config.stats_host
+    port = DEFAULT_STATS_PORT if config.stats_port is None else config.stats_port
     try:
-        await stopping.wait()
-        log.info("kvtier %r stopping: NOT_SERVING, finishing in-flight calls", config.name)
-        await health.enter_graceful_shutdown()
-        events.close()
-        await asyncio.gather(*(s.stop(config.grace_s) for s in servers))
-    finally:
-        reaper.cancel()
-        stopping.set()
-        await asyncio.to_thread(daemon.shutdown)
-        servicer.close()
-        if http is not None:
-            http.close()
-        socket_path.unlink(missing_ok=True)
-        log.info("kvtier %r stopped; disk tier flushed and closed", config.name)
+        return StatsServer(host, port, metrics.registry, daemon.stats)
+    except OSError as exc:
+        if config.stats_port is not None or exc.errno != errno.EADDRINUSE:
+            raise StartError(
+                f"statistics endpoint {host}:{port}: {exc.strerror}; choose another "
+                "--stats-port (0: any free port, -1: none)"
+            ) from None
+    http = StatsServer(host, 0, metrics.registry, daemon.stats)
+    log.warning(
+        "kvtier %r: stats port %d is taken (another daemon?); statistics on port %d instead",
+        config.name,
+        DEFAULT_STATS_PORT,
+        http.port,
+    )
+    return http
+
+
+def _why(exc: BaseException) -> str:
+    """One line saying why the start failed."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    if isinstance(exc, (StartError, ConfigError, ArenaError, PermissionError, RuntimeError)):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _server(
@@ -154,19 +207,44 @@ async def _reap(daemon: Daemon, lease_s: float) -> None:
 
 
 def _prepare_socket(path: Path) -> None:
-    """Makes the socket's directory (0700) and clears a dead daemon's socket file."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Makes sure the socket's directory is ours alone (``contract.ensure_socket_dir``) and
+    clears a dead daemon's socket. Only ever a socket is removed: anything else at ``path`` is
+    a start-up error and stays as it is."""
+    contract.ensure_socket_dir(path.parent)
     if len(os.fsencode(path)) > 107:
         raise StartError(f"unix socket path {path} is longer than 107 bytes; use --socket")
-    if not path.exists():
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartError(
+            f"{path} exists and is not a socket ({_kind(st.st_mode)}); kvtier replaces only a "
+            "dead daemon's socket: move it away or choose another --socket"
+        )
     with socket.socket(socket.AF_UNIX) as probe:
         try:
             probe.connect(os.fspath(path))
         except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)
+            _remove_socket(path, st.st_ino)
             return
     raise StartError(f"a daemon already listens on {path}; stop it or use --name/--socket")
+
+
+def _remove_socket(path: Path, inode: int) -> None:
+    """Unlinks ``path`` if it is still the socket ``inode`` (never another daemon's, nor a
+    file someone put there since)."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == inode:
+            path.unlink()
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return kind
+    return "a symlink" if stat.S_ISLNK(mode) else "not a socket"
 
 
 @contextlib.contextmanager

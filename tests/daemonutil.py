@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,7 +57,8 @@ class Daemon:
     extra: list[str] = field(default_factory=list)
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp")))
     name: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
-    stats_port: int = field(default_factory=free_port)
+    stats_port: int | None = field(default_factory=free_port)
+    """None: no flag, the daemon's default (9477, or any free port while that one is taken)."""
     proc: subprocess.Popen | None = None
 
     @property
@@ -86,12 +88,12 @@ class Daemon:
             str(self.host_bytes),
             "--disk-bytes",
             str(self.disk_bytes),
-            "--stats-port",
-            str(self.stats_port),
             "--lease-s",
             str(self.lease_s),
             *self.extra,
         ]
+        if self.stats_port is not None:
+            cmd += ["--stats-port", str(self.stats_port)]
         if self.tcp_port is not None:
             (self.root / "token").write_text(self.token or "")
             cmd += ["--tcp", f"127.0.0.1:{self.tcp_port}", "--token-file", str(self.root / "token")]
@@ -102,6 +104,19 @@ class Daemon:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         self.wait_serving()
         return self
+
+    def run_to_exit(self, timeout: float = START_TIMEOUT_S) -> int:
+        """Runs a daemon expected to stop by itself (a failing start); returns its exit code."""
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def stats_url(self) -> str:
+        """Where the daemon says its statistics endpoint listens (from its log)."""
+        match = re.search(r"stats (http://\S+)/metrics", self.log.read_text())
+        assert match, self.log.read_text()
+        return match.group(1)
 
     def wait_serving(self) -> None:
         """Blocks until the health service says SERVING (the daemon is fully up)."""

@@ -1,22 +1,17 @@
 """The disk tier: blocks in one data file on local NVMe, indexed by LMDB, under a byte budget with
 LRU.
 
-Block bytes live in ``blocks.dat``, a preallocated file of fixed slots written and read with
-``O_DIRECT``, around the page cache (``disk_slots``). LMDB holds only small entries: per block
-its slot, layout signature, length, xxh3_64 checksum and the caller's meta, and the access
-order (``disk_index``). The free slots are the ones no entry names, worked out at open.
-Reopening a directory recovers every committed block and its recency; one made with another
-budget is grown or evicted down (``disk_recovery``). One tier owns its directory at a time, and
-a damaged index is moved aside rather than crashing or refusing the start (``disk_dir``).
+The pieces: ``disk_slots`` (the preallocated slot file, O_DIRECT), ``disk_index`` (LMDB entries:
+slot, signature, length, checksum, meta; and the access order), ``disk_writer`` and
+``disk_commit`` (one writer thread batching stores into synced commits), ``disk_recovery``
+(opening, budget changes) and ``disk_dir`` (one owner per directory, damage moved aside).
 
-Stores are parked in a pending map (readable at once) and queued for one writer thread that
-batches them into commits (``disk_writer``): ``put`` copies the caller's bytes first,
-``write_behind`` borrows them until it calls back.
-
-Readers look the entry up and pin its slot in one critical section, then read the slot
-straight into the caller's buffer; a slot freed meanwhile is not reused until they unpin it
-(``SlotTable``). Every read is checked against the entry's checksum: a mismatch is a miss,
-counted and dropped, never data.
+Stores wait in a pending map, readable at once, until the writer commits them: ``put`` copies
+the caller's bytes first, ``write_behind`` borrows them until it calls back. Readers look the
+entry up and pin its slot in one critical section, then read the slot straight into the
+caller's buffer; a slot freed meanwhile is not reused until they unpin it (``SlotTable``).
+Every read is checked against the entry's checksum: a mismatch is a miss, counted and dropped,
+never data.
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import lmdb
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
@@ -94,26 +90,15 @@ class DiskTier:
         self._sync = sync
         self._closed = False
         self._dir = TierDirectory(os.path.realpath(path))
+        signature = bytes(layout_signature)
         try:
-            self._s, found = open_state(
-                self._dir,
-                bytes(layout_signature),
-                block_bytes,
-                capacity,
-                batch,
-                map_size,
-                sync,
-                self.counters,
+            self._s = open_state(
+                self._dir, signature, block_bytes, capacity, batch, map_size, sync, self.counters
             )
         except BaseException:
             self._dir.release()
             raise
         self._lock = self._s.lock
-        c = self.counters
-        c.capacity_blocks, c.capacity_bytes = capacity, capacity * block_bytes
-        c.blocks_evicted += found.dropped + found.evicted
-        c.checksum_failures += found.lost
-        c.used_blocks, c.used_bytes = found.used, found.used * block_bytes
         self._writer = DiskWriter(self._s, capacity, batch, sync, flush_interval_s, on_event)
 
     # ---- readers (any thread) ----
@@ -354,8 +339,11 @@ class DiskTier:
         return None
 
     def _committed(self, block_hash: bytes) -> bool:
-        with self._s.index.read() as txn:
-            return self._s.index.has(txn, block_hash)
+        try:
+            with self._s.index.read() as txn:
+                return self._s.index.has(txn, block_hash)
+        except lmdb.Error:  # closed meanwhile: the caller's next check refuses the block
+            return False
 
     def _enqueue(self, op: int, arg: Any) -> None:
         with self._lock:

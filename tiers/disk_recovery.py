@@ -78,10 +78,10 @@ def open_state(
     map_size: int,
     sync: bool,
     counters: TierCounters,
-) -> tuple[DiskState, Recovered]:
+) -> DiskState:
     """Opens the index and the data file in ``directory`` (held) and recovers their blocks;
     an index found damaged before or while doing so is moved aside and the tier starts empty.
-    Returns the tier's shared state and what recovery found.
+    Returns the tier's shared state, ``counters`` set to what recovery found.
     """
     total_slots = capacity_blocks + spare_slots
     pool = BufferPool(slot_stride(block_bytes), min(total_slots, _POOL_BATCHES * spare_slots))
@@ -124,6 +124,11 @@ def open_state(
         )
     if found.moved:
         log.info("disk tier %s: moved %d blocks into the smaller file", directory.path, found.moved)
+    c = counters
+    c.capacity_blocks, c.capacity_bytes = capacity_blocks, capacity_blocks * block_bytes
+    c.blocks_evicted += found.dropped + found.evicted
+    c.checksum_failures += found.lost
+    c.used_blocks, c.used_bytes = found.used, found.used * block_bytes
     lock = threading.Lock()
     table = SlotTable(lock, found.free_slots)
     state = DiskState(
@@ -139,7 +144,7 @@ def open_state(
         counters,
         RateLimitedLog(logging.getLogger("kvtier.tiers.disk")),
     )
-    return state, found
+    return state
 
 
 def recover(
