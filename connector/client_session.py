@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -140,6 +141,7 @@ class SessionKeeper:
     def _maintain(self) -> None:
         """Opens sessions and holds their keep-alive streams until ``close``."""
         backoff = 0.05
+        refusal = None
         while not self._closing.is_set():
             with self._ledger.changed:
                 self._ledger.changed.wait_for(
@@ -147,17 +149,46 @@ class SessionKeeper:
                 )
             if self._closing.is_set():
                 return
+            unsafe = self._unsafe_socket_dir()
+            if unsafe:
+                if unsafe != refusal:
+                    refusal = unsafe
+                    log.error("kvtier daemon %s not used: %s", self._target, unsafe)
+                self._closing.wait(_MAX_BACKOFF_S)
+                continue
             try:
                 opened = self._stub.Open(
                     self._request, timeout=self._timeout_s, metadata=self._metadata
                 )
             except grpc.RpcError as exc:
-                log.debug("kvtier daemon %s: Open failed (%r)", self._target, exc.code())
+                refused = exc.code() not in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                )
+                if refused and exc.details() != refusal:
+                    # The daemon is there and says no (another block size for this layout,
+                    # too many layouts or sessions): say why once, and keep trying.
+                    refusal = exc.details()
+                    log.error("kvtier daemon %s refused a session: %s", self._target, refusal)
+                else:
+                    log.debug("kvtier daemon %s: Open failed (%r)", self._target, exc.code())
                 self._closing.wait(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 continue
             backoff = 0.05
             self._hold(opened)
+
+    def _unsafe_socket_dir(self) -> str | None:
+        """Why the unix socket's directory must not be trusted (another user could have put
+        a socket of theirs there), or None; TCP targets have no directory to check."""
+        if not self._target.startswith("unix:"):
+            return None
+        path = Path(self._target.removeprefix("unix:").removeprefix("//"))
+        try:
+            contract.ensure_socket_dir(path.parent)
+        except OSError as exc:
+            return str(exc)
+        return None
 
     def _hold(self, opened: pb.OpenResponse) -> None:
         """Publishes the session and blocks on its keep-alive stream until it breaks."""

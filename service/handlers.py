@@ -10,8 +10,6 @@ peer and kind of trouble, rate-limited.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,29 +46,6 @@ class Refused:
     code: grpc.StatusCode
     message: str
     kind: str
-
-
-class LogLimiter:
-    """One log line per (peer, kind) per ``interval_s``; the rest are counted in the next."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0, max_keys: int = 1024):
-        self._log = logger
-        self._interval = interval_s
-        self._max_keys = max_keys
-        self._last: dict[tuple[str, str], tuple[float, int]] = {}
-
-    def warn(self, peer: str, kind: str, message: str) -> None:
-        key = (peer, kind)
-        now = time.monotonic()
-        last, quiet = self._last.get(key, (float("-inf"), 0))
-        if now - last < self._interval:
-            self._last[key] = (last, quiet + 1)
-            return
-        if len(self._last) >= self._max_keys:
-            self._last.clear()
-        self._last[key] = (now, 0)
-        more = f" ({quiet} more like it not logged)" if quiet else ""
-        self._log.warning("refused %s from %s: %s%s", kind, peer or "?", message, more)
 
 
 def _decoder(name: str, message_type: type) -> Callable[[bytes], object]:

@@ -5,8 +5,9 @@ Builds the store (each layout's arena and tiers come with its first client), the
 and the statistics endpoint; logs where each listens; then serves until SIGTERM or SIGINT.
 Shutdown: health goes NOT_SERVING, keep-alive and event streams end, in-flight calls get
 ``grace_s`` to finish, every session's slots are given back, the disk writers flush and LMDB
-closes — a restart finds every committed block. A start that fails at any step undoes what it made (socket, arena, stats
-endpoint, the disk tier's lock) and exits 1 with one log line saying why.
+closes — a restart finds every committed block. A start that fails at any step undoes what
+it made (socket, stats endpoint, arenas, disk tier locks) and exits 1 with one log line
+saying why.
 """
 
 from __future__ import annotations

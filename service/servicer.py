@@ -26,11 +26,12 @@ from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.service.arena import ArenaError
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import STORED, BlockEvent, EventHub, TooManyWatchers
-from kvtier.service.handlers import LogLimiter, Refused
+from kvtier.service.handlers import Refused
 from kvtier.service.metrics import Metrics
 from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.store import LayoutRefused
 from kvtier.service.wire import RequestError, check_hash, check_slots, split_hashes
+from kvtier.tiers.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self.stopping = stopping
         self.max = daemon.config.max_hashes
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
-        self._limiter = LogLimiter(log)
+        self._limiter = RateLimitedLog(log, interval_s=10.0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -119,7 +120,10 @@ class KvTierServicer(pb_grpc.KvTierServicer):
     def refused(self, context: grpc.aio.ServicerContext, exc: BaseException, message: str) -> None:
         """Logs a malformed or oversized request once per peer and kind (others are normal)."""
         if isinstance(exc, RequestError) and exc.kind:
-            self._limiter.warn(context.peer() or "", exc.kind, message)
+            peer = context.peer() or "?"
+            self._limiter.warning(
+                f"{peer}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
+            )
 
     async def _run(self, fn: Callable[[], object], heavy: bool = True) -> object:
         if not heavy:

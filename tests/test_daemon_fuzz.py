@@ -124,6 +124,10 @@ class Fuzzer:
         return self.rng.randbytes(self.rng.choice([1, 7, 64, 4096]))
 
 
+STREAM_WAIT_S = 0.5
+"""A watcher with nothing to hear waits for events: its deadline ends the call."""
+
+
 def call(channel: grpc.Channel, method, payload: bytes) -> grpc.StatusCode:
     """Sends raw bytes to ``method``; returns the status (reading at most one reply)."""
     path = f"/kvtier.v1.KvTier/{method.name}"
@@ -132,7 +136,7 @@ def call(channel: grpc.Channel, method, payload: bytes) -> grpc.StatusCode:
         if method.client_streaming:
             channel.stream_unary(path, **kwargs)(iter([payload, payload]), timeout=10)
         elif method.server_streaming:
-            stream = channel.unary_stream(path, **kwargs)(payload, timeout=10)
+            stream = channel.unary_stream(path, **kwargs)(payload, timeout=STREAM_WAIT_S)
             next(stream, None)
             stream.cancel()
         else:

@@ -205,9 +205,9 @@ def test_metrics_and_stats_endpoints(daemon):
         text = r.read().decode()
         assert r.headers["Content-Type"].startswith("text/plain")
     layout = SIGNATURE.hex()
-    assert f'kvtier_hit_tokens_total{{tier="host",layout="{layout}"}}' in text
+    assert f'kvtier_hit_tokens_total{{layout="{layout}",tier="host"}}' in text
     assert "kvtier_rpc_seconds_bucket" in text
-    assert f'kvtier_capacity_blocks{{tier="host",layout="{layout}"}} 128.0' in text
+    assert f'kvtier_capacity_blocks{{layout="{layout}",tier="host"}} 128.0' in text
     assert f'kvtier_writing_behind_blocks{{layout="{layout}"}}' in text
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/stats", timeout=10) as r:
         stats = json.loads(r.read())

@@ -12,7 +12,7 @@ from kvtier.tiers.stack import build_stack
 from daemonutil import Daemon
 from tierutil import run_request
 
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float16)
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_size=64, block_size=4, dtype=torch.float16)
 NS = Namespace("tiny", LAYOUT.signature)
 
 

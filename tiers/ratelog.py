@@ -15,8 +15,11 @@ import time
 class RateLimitedLog:
     """``warning(kind, msg, *args)`` on ``logger``, at most once per ``interval_s`` per kind."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 5.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 5.0, max_kinds: int = 1024
+    ) -> None:
         self.interval_s = interval_s
+        self._max_kinds = max_kinds
         self._logger = logger
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
@@ -29,6 +32,9 @@ class RateLimitedLog:
             if last is not None and now - last < self.interval_s:
                 self._held[kind] = self._held.get(kind, 0) + 1
                 return
+            if len(self._last) >= self._max_kinds:  # kinds named by peers must not pile up
+                self._last.clear()
+                self._held.clear()
             self._last[kind] = now
             held = self._held.pop(kind, 0)
         if held:
