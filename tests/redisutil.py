@@ -79,12 +79,13 @@ class LocalCluster:
         for node in self.nodes:
             node.start()
         create = ["redis-cli", "--cluster", "create", *(n.address for n in self.nodes)]
-        subprocess.run(
+        made = subprocess.run(
             [*create, "--cluster-replicas", "0", "--cluster-yes"],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=WAIT_S,
         )
+        assert made.returncode == 0, made.stdout + made.stderr
         wait_until(self.healthy, "the cluster to be ok on every node")
         return self
 

@@ -189,15 +189,17 @@ class RedisClusterBackend(RedisBackend):
         options = options or RedisOptions()
         scheme = "rediss" if options.tls else "redis"
         self.name = f"{scheme}+cluster://{','.join(f'{h}:{p}' for h, p in seeds)}"
-        self._seeds = [ClusterNode(h, p) for h, p in seeds]
+        # redis-py builds a node's client from a connection class only for a cluster given by
+        # URL; the first seed is given so, the others as startup nodes.
+        host, port = seeds[0]
+        self._url = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+        self._seeds = [ClusterNode(h, p) for h, p in seeds[1:]]
         kwargs = options.connection_kwargs()
         kwargs.pop("retry")  # the cluster client gives its node clients no retries of their own
-        if options.tls:
-            # redis-py sets the TLS connection class itself for a cluster's nodes.
-            kwargs["ssl"] = True
-        else:
-            kwargs["connection_class"] = _Connection
-        self._kwargs = kwargs | {"max_connections": options.connections + 2}
+        self._kwargs = kwargs | {
+            "connection_class": _TlsConnection if options.tls else _Connection,
+            "max_connections": options.connections + 2,
+        }
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
         self._stale = False
@@ -255,14 +257,16 @@ class RedisClusterBackend(RedisBackend):
             try:
                 if self._cluster is None:
                     self._cluster = RedisCluster(
-                        startup_nodes=self._seeds,
+                        url=self._url,
+                        startup_nodes=list(self._seeds),
                         require_full_coverage=False,
                         retry=Retry(NoBackoff(), 0),
                         **self._kwargs,
                     )
                 else:
                     self._cluster.nodes_manager.initialize()
-            except (redis.RedisError, RedisClusterException, OSError) as exc:
-                raise RemoteError(f"{self.name}: no seed answered: {exc}") from exc
+            # redis-py raises IndexError where the seeds answer but serve no slot yet.
+            except (redis.RedisError, RedisClusterException, OSError, IndexError) as exc:
+                raise RemoteError(f"{self.name}: no usable seed: {exc!r}") from exc
             self._stale = False
         log.info("%s: %d primaries", self.name, len(self._cluster.get_primaries()))

@@ -145,6 +145,10 @@ class Routes:
                 except RemoteError as exc:
                     log.debug("%s %s: still down: %s", self._backend.name, name, exc)
                     continue
+                except Exception:
+                    # A backend bug must not end the probe: every breaker would stay open.
+                    log.exception("%s %s: probe failed", self._backend.name, name)
+                    continue
                 with self._lock:
                     route = self._routes.get(name)
                     if route is not None:
