@@ -107,8 +107,11 @@ class RedisProcess:
                 try:
                     client.ping()
                     return self
+                except redis.AuthenticationError:
+                    return self  # it answers, and wants a password (--requirepass)
                 except redis.ConnectionError:
                     if self.proc.poll() is not None or time.monotonic() > deadline:
+                        self.kill()
                         raise RuntimeError(
                             f"redis-server on {self.port} did not start: "
                             + (self.dir / "redis.log").read_text()[-2000:]

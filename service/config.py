@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvtier.proto import contract
+from kvtier.tiers.remote import RemoteSettings
+from kvtier.tiers.remote_config import PASSWORD_ENV, RemoteConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,6 +66,19 @@ class DaemonConfig:
     lease_s: float = 30.0
     max_hashes: int = contract.MAX_HASHES
     grace_s: float = 5.0
+    remote: str | None = None
+    """The store shared by many nodes below the disk tier (off by default): ``redis://HOST:PORT``,
+    ``rediss://…``, a cluster seed list ``HOST:PORT,HOST:PORT`` or ``mooncake://MASTER``
+    (``kvtier.tiers.remote_config``)."""
+    remote_password_file: Path | None = None
+    """The store's password; without it ``$KVTIER_REMOTE_PASSWORD``. Never in the URL."""
+    remote_ca_file: Path | None = None
+    remote_cert_file: Path | None = None
+    remote_key_file: Path | None = None
+    remote_lookup_timeout_s: float = 0.5
+    remote_transfer_timeout_s: float = 5.0
+    remote_queue_bytes: int = 256 << 20
+    """Blocks waiting to be written to the store beyond this are dropped (and counted)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.name):
@@ -76,6 +91,7 @@ class DaemonConfig:
             raise ValueError(f"lease_s must be positive, got {self.lease_s}")
         if not 1 <= self.max_hashes <= contract.MAX_HASHES:
             raise ValueError(f"max_hashes must be in 1..{contract.MAX_HASHES}")
+        self.remote_config()  # a bad URL or setting fails here, at start-up
 
     @property
     def socket_path(self) -> Path:
@@ -89,6 +105,23 @@ class DaemonConfig:
     def arena_name(self) -> str:
         return f"kvtier-{self.name}"
 
+    def remote_config(self) -> RemoteConfig | None:
+        """How to open the remote tier, or None when there is none."""
+        if not self.remote:
+            return None
+        return RemoteConfig(
+            self.remote,
+            password_file=self.remote_password_file,
+            ca_file=self.remote_ca_file,
+            cert_file=self.remote_cert_file,
+            key_file=self.remote_key_file,
+            settings=RemoteSettings(
+                lookup_timeout_s=self.remote_lookup_timeout_s,
+                transfer_timeout_s=self.remote_transfer_timeout_s,
+                queue_bytes=self.remote_queue_bytes,
+            ),
+        )
+
     def read_token(self) -> str | None:
         """The TCP token: from ``token_file`` if set, else ``$KVTIER_TOKEN``."""
         if self.token_file is not None:
@@ -98,8 +131,16 @@ class DaemonConfig:
         return token or None
 
 
-_SIZES = {"host_bytes", "disk_bytes"}
-_PATHS = {"socket", "token_file", "data_dir"}
+_SIZES = {"host_bytes", "disk_bytes", "remote_queue_bytes"}
+_PATHS = {
+    "socket",
+    "token_file",
+    "data_dir",
+    "remote_password_file",
+    "remote_ca_file",
+    "remote_cert_file",
+    "remote_key_file",
+}
 
 
 def _coerce(name: str, value: object) -> object:
@@ -148,6 +189,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--stats-host", help="statistics HTTP address (default 127.0.0.1)")
     add("--stats-port", type=int, help="statistics HTTP port; 0 = any, -1 = off (default 9477)")
     add("--lease-s", type=float, help="session lease without keep-alive, seconds (default 30)")
+    add(
+        "--remote",
+        metavar="URL",
+        help="shared store below the disk tier: redis://HOST:PORT, rediss://..., "
+        "HOST:PORT,HOST:PORT (a cluster) or mooncake://MASTER (default: none)",
+    )
+    add(
+        "--remote-password-file",
+        type=Path,
+        help=f"file holding the store's password (else ${PASSWORD_ENV}; never in the URL)",
+    )
+    add("--remote-ca-file", type=Path, help="CA bundle to check a rediss:// store against")
+    add("--remote-cert-file", type=Path, help="client certificate for a rediss:// store")
+    add("--remote-key-file", type=Path, help="client key for a rediss:// store")
+    add(
+        "--remote-lookup-timeout-s",
+        type=float,
+        help=f"longest wait for the store in a lookup (default {d.remote_lookup_timeout_s})",
+    )
+    add(
+        "--remote-transfer-timeout-s",
+        type=float,
+        help=f"longest wait for a get or a write batch (default {d.remote_transfer_timeout_s})",
+    )
+    add("--remote-queue-bytes", help="writes waiting for the store before drops (default 256MiB)")
 
 
 def from_args(args: argparse.Namespace) -> DaemonConfig:

@@ -76,6 +76,14 @@ class LocalCluster:
         return "redis+cluster://" + ",".join(n.address for n in self.nodes)
 
     def start(self) -> LocalCluster:
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _create(self) -> None:
         for node in self.nodes:
             node.start()
         create = ["redis-cli", "--cluster", "create", *(n.address for n in self.nodes)]
@@ -87,7 +95,6 @@ class LocalCluster:
         )
         assert made.returncode == 0, made.stdout + made.stderr
         wait_until(self.healthy, "the cluster to be ok on every node")
-        return self
 
     def healthy(self) -> bool:
         for node in self.nodes:
