@@ -9,7 +9,7 @@ What the daemon calls (every call is batched and bounded in time):
   deliver;
 * ``write_behind(hash, data, meta, on_done)``: the disk tier's borrow contract. The block joins
   a bounded queue (a full one drops it at once, counted) and a writer thread stores it in
-  batches, skipping blocks the store already holds.
+  batches, skipping blocks the store already holds (``remote_writer``).
 
 The store is a ``RemoteBackend``; capacity and eviction are its own. Nothing here waits longer
 than its timeout or raises for the store's faults: an endpoint that is down, slow or failing
@@ -17,7 +17,7 @@ over gives counted misses (``fault_misses``), and after a few failed calls its c
 cuts it off until a probe finds it answering again (``remote_routes``).
 
 A call that times out returns while its worker may still be talking to the store; the borrowed
-buffers are guarded (``_Borrow``) so that no copy into an ``out`` or from a ``data`` starts
+buffers are guarded (``Borrow``) so that no copy into an ``out`` or from a ``data`` starts
 after the call has answered for it.
 """
 
@@ -25,29 +25,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.hashing import check_hash
 from kvtier.tiers.remote_backend import RemoteBackend, RemoteError
-from kvtier.tiers.remote_format import (
-    MAX_META_BYTES,
-    block_key,
-    check_prefix,
-    pack_into,
-    unpack,
-    value_size,
-)
-from kvtier.tiers.remote_routes import Routes
+from kvtier.tiers.remote_format import block_key, check_prefix, unpack
+from kvtier.tiers.remote_routes import Borrow, Routes
+from kvtier.tiers.remote_writer import OnDone, RemoteWriter
 
 log = logging.getLogger(__name__)
-
-OnDone = Callable[[bool], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,69 +68,6 @@ class RemoteSettings:
             raise ValueError("queue_bytes must be >= 0")
 
 
-class _Borrow:
-    """Copies that a call makes from or into its caller's buffers, stopped when it answers.
-
-    A worker copies only between ``begin()`` (False once the call has answered) and ``end()``;
-    ``close()`` forbids new copies and waits for those under way, one block each at most.
-    """
-
-    __slots__ = ("_active", "_closed", "_cond")
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._active = 0
-        self._closed = False
-
-    def begin(self) -> bool:
-        with self._cond:
-            if self._closed:
-                return False
-            self._active += 1
-            return True
-
-    def end(self) -> None:
-        with self._cond:
-            self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.wait_for(lambda: not self._active)
-
-
-@dataclass(slots=True)
-class _Write:
-    block_hash: bytes
-    key: bytes
-    data: memoryview
-    meta: bytes
-    on_done: OnDone | None
-
-
-class _BufferPool:
-    """Value buffers for the writer: a fresh 2 MiB allocation costs page faults on each use."""
-
-    def __init__(self, size: int, keep: int) -> None:
-        self._size = size
-        self._keep = keep
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray(self._size)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
-
-
 class RemoteTier:
     """Blocks of ``block_bytes`` of one layout in ``backend``, under the key ``prefix``.
 
@@ -170,7 +95,6 @@ class RemoteTier:
         self._backend = backend
         self._signature = bytes(layout_signature)
         self._prefix = check_prefix(prefix)
-        self._on_event = on_event
         self._lock = threading.Lock()
         self._routes = Routes(
             backend,
@@ -180,19 +104,20 @@ class RemoteTier:
             failures_to_open=settings.failures_to_open,
             probe_interval_s=settings.probe_interval_s,
         )
-        self._buffers = _BufferPool(
-            value_size(block_bytes, MAX_META_BYTES), 2 * settings.batch_blocks
+        self._writer = RemoteWriter(
+            backend,
+            self._routes,
+            self.counters,
+            self._lock,
+            self._signature,
+            block_bytes,
+            self._prefix,
+            max_queued=max(1, settings.queue_bytes // block_bytes),
+            batch_blocks=settings.batch_blocks,
+            pipeline_blocks=settings.pipeline_blocks,
+            transfer_timeout_s=settings.transfer_timeout_s,
+            on_event=on_event,
         )
-        self._max_queued = max(1, settings.queue_bytes // block_bytes)
-        self._queue: deque[_Write] = deque()
-        self._queued: set[bytes] = set()  # hashes queued or being written
-        self._changed = threading.Condition(self._lock)
-        self._writing = 0
-        self._closed = False
-        self._drain_until = float("inf")
-        self._writer = threading.Thread(target=self._write_loop, name="kvtier-remote-writer")
-        self._writer.daemon = True
-        self._writer.start()
 
     # ---- reads (any thread) ----
 
@@ -207,7 +132,9 @@ class RemoteTier:
             ):
                 found[i] = held
 
-        self._count_faults(self._fan_out(keys, work, self.settings.lookup_timeout_s, len(keys)))
+        self._count_faults(
+            self._routes.fan_out(keys, work, self.settings.lookup_timeout_s, len(keys))
+        )
         return found.index(False) if False in found else len(found)
 
     def get_into(self, hashes: Sequence[bytes], outs: Sequence[Any]) -> list[bytes]:
@@ -227,7 +154,7 @@ class RemoteTier:
         keys = self._keys(hashes)
         metas: list[bytes | None] = [None] * len(keys)
         corrupt: list[int] = []
-        borrow = _Borrow()
+        borrow = Borrow()
 
         def work(route: str, indices: list[int]) -> None:
             values = self._backend.get(route, [keys[i] for i in indices])
@@ -244,11 +171,11 @@ class RemoteTier:
                     return
                 try:
                     dsts[i][:] = memoryview(value)[offset : offset + self.block_bytes]
+                    metas[i] = meta
                 finally:
                     borrow.end()
-                metas[i] = meta
 
-        missed = self._fan_out(
+        missed = self._routes.fan_out(
             keys, work, self.settings.transfer_timeout_s, self.settings.pipeline_blocks
         )
         borrow.close()
@@ -274,49 +201,19 @@ class RemoteTier:
         block's endpoint is cut off or the tier is closed, later if the write failed. Every
         block gets exactly one call, never under the tier's lock.
         """
-        check_hash(block_hash)
-        src = memoryview(data).cast("B")
-        if src.nbytes != self.block_bytes:
-            raise ValueError(f"block must be {self.block_bytes} B, got {src.nbytes}")
-        if len(meta) > MAX_META_BYTES:
-            raise ValueError(f"meta is {len(meta)} B, at most {MAX_META_BYTES}")
-        key = block_key(self._prefix, block_hash)
-        _, cut = self._routes.group([key])
-        with self._lock:
-            if block_hash in self._queued:
-                self.counters.blocks_deduplicated += 1
-                verdict = True
-            elif self._closed or cut or len(self._queue) >= self._max_queued:
-                self.counters.blocks_dropped += 1
-                verdict = False
-            else:
-                self._queue.append(_Write(block_hash, key, src, bytes(meta), on_done))
-                self._queued.add(block_hash)
-                self._changed.notify_all()
-                return
-        if on_done is not None:
-            on_done(verdict)
+        self._writer.write_behind(block_hash, data, meta, on_done)
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every write queued before it has been stored or dropped.
 
         Raises ``TimeoutError`` after ``timeout`` seconds.
         """
-        with self._changed:
-            if not self._changed.wait_for(lambda: not self._queue and not self._writing, timeout):
-                raise TimeoutError(f"remote tier: writes still queued after {timeout} s")
+        self._writer.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
         """Stores what is queued for up to ``timeout`` seconds (default: the transfer timeout),
         drops the rest, and closes the store's connections (idempotent)."""
-        with self._changed:
-            if self._closed:
-                return
-            self._closed = True
-            wait_s = self.settings.transfer_timeout_s if timeout is None else timeout
-            self._drain_until = time.monotonic() + wait_s
-            self._changed.notify_all()
-        self._writer.join()
+        self._writer.close(self.settings.transfer_timeout_s if timeout is None else timeout)
         self._routes.close()
         self._backend.close()
 
@@ -335,50 +232,6 @@ class RemoteTier:
     def _keys(self, hashes: Sequence[bytes]) -> list[bytes]:
         return [block_key(self._prefix, h) for h in hashes]
 
-    def _fan_out(
-        self,
-        keys: Sequence[bytes],
-        work: Callable[[str, list[int]], None],
-        timeout: float,
-        chunk: int,
-    ) -> int:
-        """Runs ``work(route, indices)`` on the route of each key, ``chunk`` keys a call, all at
-        once, waiting at most ``timeout``; each route's breaker hears how it did. Returns how
-        many keys went unanswered: their call failed or did not finish, or their route is cut
-        off."""
-        if not keys:
-            return 0
-        groups, cut = self._routes.group(keys)
-        calls = {}
-        for route, indices in groups.items():
-            for start in range(0, len(indices), chunk):
-                part = indices[start : start + chunk]
-                calls[self._routes.submit(route, work, route, part)] = (route, len(part))
-        done, late = wait(calls, timeout)
-        failed: dict[str, BaseException] = {}
-        missed = len(cut)
-        for future in late:
-            future.cancel()
-            route, count = calls[future]
-            failed.setdefault(route, TimeoutError(f"no answer in {timeout} s"))
-            missed += count
-        for future in done:
-            error = future.exception()
-            if error is None:
-                continue
-            route, count = calls[future]
-            if not isinstance(error, RemoteError):
-                # A bug, not the store: logged in full, but it must not fail the engine's call.
-                log.error("remote tier call on %s failed", route, exc_info=error)
-            failed.setdefault(route, error)
-            missed += count
-        for route in groups:
-            if route in failed:
-                self._routes.failed(route, failed[route])
-            else:
-                self._routes.succeeded(route)
-        return missed
-
     def _count_faults(self, missed: int) -> None:
         if missed:
             with self._lock:
@@ -395,79 +248,3 @@ class RemoteTier:
             self._backend.delete(route, keys)
         except RemoteError as exc:
             log.warning("%s: could not delete %d corrupt blocks: %s", route, len(keys), exc)
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-                take = min(len(self._queue), self.settings.batch_blocks)
-                batch = [self._queue.popleft() for _ in range(take)]
-                self._writing = len(batch)
-                drain = not self._closed or time.monotonic() < self._drain_until
-            stored = self._write(batch) if drain else self._drop(batch)
-            with self._changed:
-                for write in batch:
-                    self._queued.discard(write.block_hash)
-                self._writing = 0
-                self._changed.notify_all()
-            for write, ok in zip(batch, stored, strict=True):
-                if ok and self._on_event is not None:
-                    self._on_event("stored", write.block_hash, write.meta)
-                if write.on_done is not None:
-                    write.on_done(ok)
-
-    def _drop(self, batch: list[_Write]) -> list[bool]:
-        with self._lock:
-            self.counters.blocks_dropped += len(batch)
-        return [False] * len(batch)
-
-    def _write(self, batch: list[_Write]) -> list[bool]:
-        """Stores one batch, skipping blocks the store holds; True for each block it holds."""
-        keys = [w.key for w in batch]
-        outcome: list[bool | None] = [None] * len(batch)  # True stored, False already held
-        borrow = _Borrow()
-
-        def work(route: str, indices: list[int]) -> None:
-            held = self._backend.exists(route, [keys[i] for i in indices])
-            todo = []
-            for i, present in zip(indices, held, strict=True):
-                if present:
-                    outcome[i] = False
-                else:
-                    todo.append(i)
-            if not todo:
-                return
-            buffers = [self._buffers.take() for _ in todo]
-            try:
-                items = []
-                for i, buf in zip(todo, buffers, strict=True):
-                    w = batch[i]
-                    if not borrow.begin():
-                        return
-                    try:
-                        value = pack_into(buf, self._signature, w.block_hash, w.meta, w.data)
-                    finally:
-                        borrow.end()
-                    items.append((keys[i], value))
-                for i, ok in zip(todo, self._backend.put(route, items), strict=True):
-                    outcome[i] = True if ok else None
-            finally:
-                for buf in buffers:
-                    self._buffers.give(buf)
-
-        self._fan_out(keys, work, self.settings.transfer_timeout_s, self.settings.pipeline_blocks)
-        borrow.close()
-        size = self.block_bytes
-        with self._lock:
-            c = self.counters
-            for result in outcome:
-                if result is True:
-                    c.blocks_stored += 1
-                    c.bytes_in += size
-                elif result is False:
-                    c.blocks_deduplicated += 1
-                else:
-                    c.blocks_dropped += 1
-        return [result is not None for result in outcome]

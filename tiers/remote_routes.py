@@ -1,11 +1,13 @@
 """The remote tier's routes: a few worker threads and a circuit breaker per store endpoint.
 
 Calls to one endpoint run on that endpoint's own threads (as many as it has connections), so a
-slow node ties up only its own. Each route's breaker counts consecutive failed calls (errors and
+slow node ties up only its own; ``fan_out`` runs one batch over every endpoint at once and waits
+at most its timeout. Each route's breaker counts consecutive failed calls (errors and
 timeouts alike); at ``failures_to_open`` it opens and the route's keys are misses at once, with
 no call made. A probe thread pings every open route each ``probe_interval_s`` and closes the
 breaker of one that answers; a route the backend says is gone (the cluster moved its slots
-elsewhere) is forgotten.
+elsewhere) is forgotten. A call that timed out may still be running: ``Borrow`` keeps it off
+the caller's buffers from then on.
 """
 
 from __future__ import annotations
@@ -13,13 +15,46 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.remote_backend import RemoteBackend, RemoteError, RouteGone
 
 log = logging.getLogger(__name__)
+
+
+class Borrow:
+    """Copies that a call makes from or into its caller's buffers, stopped when it answers.
+
+    A worker copies only between ``begin()`` (False once the call has answered) and ``end()``;
+    ``close()`` forbids new copies and waits for those under way, one block each at most.
+    """
+
+    __slots__ = ("_active", "_closed", "_cond")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closed = False
+
+    def begin(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def end(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: not self._active)
 
 
 class _Route:
@@ -84,6 +119,50 @@ class Routes:
             if route is None:
                 route = self._routes[name] = _Route(name, self._threads)
         return route.executor.submit(fn, *args)
+
+    def fan_out(
+        self,
+        keys: Sequence[bytes],
+        work: Callable[[str, list[int]], None],
+        timeout: float,
+        chunk: int,
+    ) -> int:
+        """Runs ``work(route, indices)`` on the route of each key, ``chunk`` keys a call, all at
+        once, waiting at most ``timeout``; each route's breaker hears how it did. Returns how
+        many keys went unanswered: their call failed or did not finish, or their route is cut
+        off."""
+        if not keys:
+            return 0
+        groups, cut = self.group(keys)
+        calls = {}
+        for route, indices in groups.items():
+            for start in range(0, len(indices), chunk):
+                part = indices[start : start + chunk]
+                calls[self.submit(route, work, route, part)] = (route, len(part))
+        done, late = wait(calls, timeout)
+        failed: dict[str, BaseException] = {}
+        missed = len(cut)
+        for future in late:
+            future.cancel()
+            route, count = calls[future]
+            failed.setdefault(route, TimeoutError(f"no answer in {timeout} s"))
+            missed += count
+        for future in done:
+            error = future.exception()
+            if error is None:
+                continue
+            route, count = calls[future]
+            if not isinstance(error, RemoteError):
+                # A bug, not the store: logged in full, but it must not fail the engine's call.
+                log.error("remote tier call on %s failed", route, exc_info=error)
+            failed.setdefault(route, error)
+            missed += count
+        for route in groups:
+            if route in failed:
+                self.failed(route, failed[route])
+            else:
+                self.succeeded(route)
+        return missed
 
     def succeeded(self, name: str) -> None:
         with self._lock:
