@@ -3,17 +3,20 @@ killed costs only its own keys."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote import RemoteSettings, RemoteTier
 from kvtier.tiers.remote_config import RemoteConfig
 from kvtier.tiers.remote_format import block_key, check_prefix, key_prefix
-from kvtier.tiers.remote_redis import RedisClusterBackend
+from kvtier.tiers.remote_redis import RedisClusterBackend, RedisOptions
 
 from redisutil import (
     BLOCK_BYTES,
     FAST,
     SIGNATURE,
+    WAIT_S,
     LocalCluster,
     assert_exact,
     block_hash,
@@ -89,6 +92,52 @@ def test_a_killed_node_costs_only_its_own_keys_and_rejoins(cluster):
         metas, outs = fetch(tier, hashes)
         assert len(metas) == 30
         assert_exact(hashes, outs)
+    finally:
+        tier.close()
+
+
+class SpyCluster(RedisClusterBackend):
+    """The real cluster backend, telling when a get has begun on each node."""
+
+    def __init__(self, seeds, options):
+        super().__init__(seeds, options)
+        self.gets = {}
+
+    def get(self, route, keys):
+        self.gets.setdefault(route, threading.Event()).set()
+        return super().get(route, keys)
+
+
+def test_a_frozen_node_holds_up_only_its_own_keys(cluster):
+    # Nothing gives up on the frozen node before the test thaws it: what the other nodes
+    # answer meanwhile, they answer while a call to it is still stuck.
+    patient = RemoteSettings(lookup_timeout_s=WAIT_S, transfer_timeout_s=WAIT_S, connections=2)
+    backend = SpyCluster(
+        [("127.0.0.1", n.port) for n in cluster.nodes], RedisOptions(socket_timeout_s=WAIT_S)
+    )
+    tier = RemoteTier(backend, SIGNATURE, BLOCK_BYTES, PREFIX, patient)
+    hashes = [block_hash("frozen-node", i) for i in range(24)]
+    try:
+        store(tier, hashes)
+        victim = cluster.nodes[2]
+        lost = [h for h in hashes if cluster.node_of(key(h)) is victim]
+        kept = [h for h in hashes if cluster.node_of(key(h)) is not victim]
+        victim.pause()
+        stuck = {}
+        reader = threading.Thread(target=lambda: stuck.update(result=fetch(tier, lost[:1])))
+        reader.start()
+        try:
+            wait_until(lambda: victim.address in backend.gets, "the get to reach the frozen node")
+            for h in kept:
+                metas, outs = fetch(tier, [h])
+                assert len(metas) == 1
+                assert_exact([h], outs)
+            assert tier.lookup_prefix(kept[:3]) == 3
+            assert reader.is_alive()
+        finally:
+            victim.resume()
+        reader.join(WAIT_S)
+        assert len(stuck["result"][0]) == 1
     finally:
         tier.close()
 
