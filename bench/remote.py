@@ -4,8 +4,8 @@ In one run, against the same store, with 2 MiB blocks:
 
 * the limit: raw pipelined ``SET``/``GET`` of plain 2 MiB values through the same client and
   connections (the backend's own batch calls, no header, no checksum, no copy), the better of
-  one pipeline of every block on one connection and the tier's own split (pipelines of
-  ``pipeline_blocks`` on ``connections`` connections per node at once);
+  one pipeline of every block per node (every node at once) and the tier's own split
+  (pipelines of ``pipeline_blocks``, ``connections`` at once per node);
 * the tier: ``write_behind`` of every block then ``flush`` (header, checksum, the dedup
   ``EXISTS`` round trip, the queue and the writer), and ``get_into`` the caller's buffers (header
   and checksum checked, payload copied out); each block checked bit-exact afterwards;
@@ -25,7 +25,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -52,7 +52,7 @@ AIMS = {"remote_put_ratio": 0.8, "remote_get_ratio": 0.8}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote", help="store URL (default: start a private redis-server)")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per round (2 MiB each)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; the best one counts")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the best one counts")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -93,10 +93,9 @@ def raw_seconds(
     rounds: int,
 ) -> tuple[float, float]:
     """Best SET and GET seconds for every value, over both ways of splitting the batch."""
-    routes = len(set(backend.routes(make_keys())))
     whole = _raw_split(backend, make_keys, values, len(values), 1, rounds)
     split = _raw_split(
-        backend, make_keys, values, settings.pipeline_blocks, settings.connections * routes, rounds
+        backend, make_keys, values, settings.pipeline_blocks, settings.connections, rounds
     )
     return min(whole[0], split[0]), min(whole[1], split[1])
 
@@ -106,43 +105,52 @@ def _raw_split(
     make_keys: Callable[[], list[bytes]],
     values: np.ndarray,
     chunk: int,
-    threads: int,
+    per_route: int,
     rounds: int,
 ) -> tuple[float, float]:
-    """SET and GET seconds with pipelines of ``chunk`` values, ``threads`` of them at once."""
+    """SET and GET seconds with pipelines of ``chunk`` values, ``per_route`` of them at once
+    on each route (every route at once), as the tier runs them."""
     written: list[list[bytes]] = []
+    pools: dict[str, ThreadPoolExecutor] = {}
+
+    def submit(route: str, fn: Callable, *args: object) -> Future:
+        if route not in pools:
+            pools[route] = ThreadPoolExecutor(per_route)
+        return pools[route].submit(fn, route, *args)
 
     def fresh() -> list[bytes]:
         written.append(make_keys())
         return written[-1]
 
-    with ThreadPoolExecutor(threads) as pool:
+    def put(keys: list[bytes]) -> None:
+        calls = [
+            submit(r, backend.put, [(keys[i], memoryview(values[i])) for i in idx])
+            for r, idx in _by_route(backend, keys, chunk)
+        ]
+        if not all(all(c.result()) for c in calls):
+            raise RuntimeError("the store refused raw SETs")
 
-        def put(keys: list[bytes]) -> None:
-            calls = [
-                pool.submit(backend.put, r, [(keys[i], memoryview(values[i])) for i in idx])
-                for r, idx in _by_route(backend, keys, chunk)
-            ]
-            if not all(all(c.result()) for c in calls):
-                raise RuntimeError("the store refused raw SETs")
+    def get(keys: list[bytes]) -> None:
+        calls = {
+            submit(r, backend.get, [keys[i] for i in idx]): idx
+            for r, idx in _by_route(backend, keys, chunk)
+        }
+        for call, idx in calls.items():
+            for i, value in zip(idx, call.result(), strict=True):
+                if value is None or memoryview(value).nbytes != values[i].nbytes:
+                    raise RuntimeError("raw GET returned other bytes than were SET")
 
-        def get(keys: list[bytes]) -> None:
-            calls = {
-                pool.submit(backend.get, r, [keys[i] for i in idx]): idx
-                for r, idx in _by_route(backend, keys, chunk)
-            }
-            for call, idx in calls.items():
-                for i, value in zip(idx, call.result(), strict=True):
-                    if value is None or memoryview(value).nbytes != values[i].nbytes:
-                        raise RuntimeError("raw GET returned other bytes than were SET")
+    def stored() -> list[bytes]:
+        keys = fresh()
+        put(keys)
+        return keys
 
-        def stored() -> list[bytes]:
-            keys = fresh()
-            put(keys)
-            return keys
-
+    try:
         set_s = _best(rounds, fresh, put)
         get_s = _best(rounds, stored, get)
+    finally:
+        for pool in pools.values():
+            pool.shutdown()
     for keys in written:
         _delete(backend, keys)
     return set_s, get_s

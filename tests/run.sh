@@ -4,12 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The remote tier's tests run real stores: Debian's redis-server, and Mooncake's own master and
-# storage binaries from its wheel (which needs the RDMA and NUMA libraries to load, even on TCP).
+# The remote tier's tests run real stores: Debian's redis-server (one with TLS, certificates
+# made by openssl), and Mooncake's own master and storage binaries from its wheel, which need
+# the RDMA and NUMA libraries to load even on TCP.
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
-ldconfig -p | grep -q libibverbs.so.1 || need+=(libibverbs1)
-ldconfig -p | grep -q libnuma.so.1 || need+=(libnuma1)
+command -v openssl >/dev/null || need+=(openssl)
+ldconfig -p | grep libibverbs.so.1 >/dev/null || need+=(libibverbs1)
+ldconfig -p | grep libnuma.so.1 >/dev/null || need+=(libnuma1)
 if ((${#need[@]})); then
     apt-get update && apt-get install -y --no-install-recommends "${need[@]}"
 fi
