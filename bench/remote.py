@@ -67,15 +67,45 @@ def _fresh_hashes(blocks: int) -> Callable[[], list[bytes]]:
     return fresh
 
 
-def _best(rounds: int, prepare: Callable[[], object], timed: Callable[[object], None]) -> float:
-    """The fastest of ``rounds`` runs of ``timed(prepare())``, timing only ``timed``."""
-    best = float("inf")
-    for _ in range(rounds):
-        arg = prepare()
-        start = time.perf_counter()
-        timed(arg)
-        best = min(best, time.perf_counter() - start)
-    return best
+class _Raw:
+    """Raw batches of plain values through the backend's own calls: pipelines of ``chunk``
+    values, ``per_route`` of them at once on each route, every route at once."""
+
+    def __init__(self, backend: RemoteBackend, values: np.ndarray, chunk: int, per_route: int):
+        self._backend = backend
+        self._values = values
+        self._chunk = chunk
+        self._per_route = per_route
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    def set(self, keys: list[bytes]) -> None:
+        calls = [
+            self._submit(
+                r, self._backend.put, [(keys[i], memoryview(self._values[i])) for i in idx]
+            )
+            for r, idx in _by_route(self._backend, keys, self._chunk)
+        ]
+        if not all(all(call.result()) for call in calls):
+            raise RuntimeError("the store refused raw SETs")
+
+    def get(self, keys: list[bytes]) -> None:
+        calls = {
+            self._submit(r, self._backend.get, [keys[i] for i in idx]): idx
+            for r, idx in _by_route(self._backend, keys, self._chunk)
+        }
+        for call, idx in calls.items():
+            for i, value in zip(idx, call.result(), strict=True):
+                if value is None or memoryview(value).nbytes != self._values[i].nbytes:
+                    raise RuntimeError("raw GET returned other bytes than were SET")
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown()
+
+    def _submit(self, route: str, fn: Callable, *args: object) -> Future:
+        if route not in self._pools:
+            self._pools[route] = ThreadPoolExecutor(self._per_route)
+        return self._pools[route].submit(fn, route, *args)
 
 
 def _by_route(backend: RemoteBackend, keys: Sequence[bytes], chunk: int) -> list[tuple[str, list]]:
@@ -85,140 +115,77 @@ def _by_route(backend: RemoteBackend, keys: Sequence[bytes], chunk: int) -> list
     return [(r, idx[s : s + chunk]) for r, idx in groups.items() for s in range(0, len(idx), chunk)]
 
 
-def raw_seconds(
-    backend: RemoteBackend,
-    make_keys: Callable[[], list[bytes]],
-    values: np.ndarray,
-    settings: RemoteSettings,
-    rounds: int,
-) -> tuple[float, float]:
-    """Best SET and GET seconds for every value, over both ways of splitting the batch."""
-    whole = _raw_split(backend, make_keys, values, len(values), 1, rounds)
-    split = _raw_split(
-        backend, make_keys, values, settings.pipeline_blocks, settings.connections, rounds
-    )
-    return min(whole[0], split[0]), min(whole[1], split[1])
-
-
-def _raw_split(
-    backend: RemoteBackend,
-    make_keys: Callable[[], list[bytes]],
-    values: np.ndarray,
-    chunk: int,
-    per_route: int,
-    rounds: int,
-) -> tuple[float, float]:
-    """SET and GET seconds with pipelines of ``chunk`` values, ``per_route`` of them at once
-    on each route (every route at once), as the tier runs them."""
-    written: list[list[bytes]] = []
-    pools: dict[str, ThreadPoolExecutor] = {}
-
-    def submit(route: str, fn: Callable, *args: object) -> Future:
-        if route not in pools:
-            pools[route] = ThreadPoolExecutor(per_route)
-        return pools[route].submit(fn, route, *args)
-
-    def fresh() -> list[bytes]:
-        written.append(make_keys())
-        return written[-1]
-
-    def put(keys: list[bytes]) -> None:
-        calls = [
-            submit(r, backend.put, [(keys[i], memoryview(values[i])) for i in idx])
-            for r, idx in _by_route(backend, keys, chunk)
-        ]
-        if not all(all(c.result()) for c in calls):
-            raise RuntimeError("the store refused raw SETs")
-
-    def get(keys: list[bytes]) -> None:
-        calls = {
-            submit(r, backend.get, [keys[i] for i in idx]): idx
-            for r, idx in _by_route(backend, keys, chunk)
-        }
-        for call, idx in calls.items():
-            for i, value in zip(idx, call.result(), strict=True):
-                if value is None or memoryview(value).nbytes != values[i].nbytes:
-                    raise RuntimeError("raw GET returned other bytes than were SET")
-
-    def stored() -> list[bytes]:
-        keys = fresh()
-        put(keys)
-        return keys
-
-    try:
-        set_s = _best(rounds, fresh, put)
-        get_s = _best(rounds, stored, get)
-    finally:
-        for pool in pools.values():
-            pool.shutdown()
-    for keys in written:
-        _delete(backend, keys)
-    return set_s, get_s
-
-
 def _delete(backend: RemoteBackend, keys: list[bytes]) -> None:
     for route, idx in _by_route(backend, keys, len(keys)):
         backend.delete(route, [keys[i] for i in idx])
 
 
+def _seconds(fn: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
 def measure(config: RemoteConfig, blocks: int, rounds: int) -> dict[str, float]:
+    """Each round times raw SET and GET (both splits), then the tier's put and get, back to
+    back, so that whatever else the machine does weighs on both; the best round of each
+    counts."""
     settings = config.settings
     backend = config.open_backend(value_size(BLOCK_BYTES, MAX_META_BYTES))
     prefix = check_prefix(key_prefix(SIGNATURE))
     tier = RemoteTier(backend, SIGNATURE, BLOCK_BYTES, key_prefix(SIGNATURE), settings)
+    data = np.random.default_rng(0).integers(0, 256, (blocks, BLOCK_BYTES), dtype=np.uint8)
+    outs = np.ones_like(data)  # touched: page faults are not the tier's
+    raws = [
+        _Raw(backend, data, blocks, 1),
+        _Raw(backend, data, settings.pipeline_blocks, settings.connections),
+    ]
+    fresh = _fresh_hashes(blocks)
+    best = dict.fromkeys(("raw_set", "raw_get", "put", "get"), float("inf"))
 
     def keys_of(hashes: list[bytes]) -> list[bytes]:
         return [block_key(prefix, h) for h in hashes]
 
-    data = np.random.default_rng(0).integers(0, 256, (blocks, BLOCK_BYTES), dtype=np.uint8)
-    outs = np.ones_like(data)  # touched: page faults are not the tier's
+    def put(hashes: list[bytes]) -> None:
+        done: list[bool] = []
+        for h, row in zip(hashes, data, strict=True):
+            tier.write_behind(h, row, b"", done.append)
+        tier.flush()
+        if done != [True] * blocks:
+            raise RuntimeError(f"the tier stored {sum(done)} of {blocks} blocks")
+
+    def get(hashes: list[bytes]) -> None:
+        if len(tier.get_into(hashes, list(outs))) != blocks:
+            raise RuntimeError("the tier missed blocks it had stored")
+
     try:
-        fresh_hashes = _fresh_hashes(blocks)
-        raw_set_s, raw_get_s = raw_seconds(
-            backend, lambda: keys_of(fresh_hashes()), data, settings, rounds
-        )
-
-        def put(round_hashes: list[bytes]) -> None:
-            done: list[bool] = []
-            for h, row in zip(round_hashes, data, strict=True):
-                tier.write_behind(h, row, b"", done.append)
-            tier.flush()
-            if done != [True] * blocks:
-                raise RuntimeError(f"the tier stored {sum(done)} of {blocks} blocks")
-
-        put_hashes: list[list[bytes]] = []
-
-        def fresh() -> list[bytes]:
-            put_hashes.append(fresh_hashes())
-            return put_hashes[-1]
-
-        put_s = _best(rounds, fresh, put)
-
-        def get(round_hashes: list[bytes]) -> None:
-            if len(tier.get_into(round_hashes, list(outs))) != blocks:
-                raise RuntimeError("the tier missed blocks it had stored")
-
-        get_s = _best(rounds, lambda: put_hashes[-1], get)
-        if not np.array_equal(outs, data):
-            raise RuntimeError("the tier returned other bytes than were stored")
-        lookups = []
-        for _ in range(20):
-            start = time.perf_counter()
-            if tier.lookup_prefix(put_hashes[-1]) != blocks:
+        for _ in range(rounds):
+            for raw in raws:
+                keys = keys_of(fresh())
+                best["raw_set"] = min(best["raw_set"], _seconds(raw.set, keys))
+                best["raw_get"] = min(best["raw_get"], _seconds(raw.get, keys))
+                _delete(backend, keys)
+            hashes = fresh()
+            best["put"] = min(best["put"], _seconds(put, hashes))
+            best["get"] = min(best["get"], _seconds(get, hashes))
+            if not np.array_equal(outs, data):
+                raise RuntimeError("the tier returned other bytes than were stored")
+            lookups = [_seconds(tier.lookup_prefix, hashes) for _ in range(20)]
+            if tier.lookup_prefix(hashes) != blocks:
                 raise RuntimeError("a lookup missed stored blocks")
-            lookups.append(time.perf_counter() - start)
-        for round_hashes in put_hashes:
-            _delete(backend, keys_of(round_hashes))
+            _delete(backend, keys_of(hashes))
     finally:
+        for raw in raws:
+            raw.close()
         tier.close()
     total = blocks * BLOCK_BYTES
     result = {
         "blocks": blocks,
         "block_bytes": BLOCK_BYTES,
-        "raw_set_gbps": total / raw_set_s / GB,
-        "raw_get_gbps": total / raw_get_s / GB,
-        "remote_put_gbps": total / put_s / GB,
-        "remote_get_gbps": total / get_s / GB,
+        "raw_set_gbps": total / best["raw_set"] / GB,
+        "raw_get_gbps": total / best["raw_get"] / GB,
+        "remote_put_gbps": total / best["put"] / GB,
+        "remote_get_gbps": total / best["get"] / GB,
         "lookup_ms": statistics.median(lookups) * 1000,
     }
     result["remote_put_ratio"] = result["remote_put_gbps"] / result["raw_set_gbps"]
