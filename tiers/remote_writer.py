@@ -103,13 +103,7 @@ class RemoteWriter:
     def write_behind(
         self, block_hash: bytes, data: Any, meta: bytes = b"", on_done: OnDone | None = None
     ) -> None:
-        """Queues the block for the store, borrowing ``data`` until ``on_done`` is called.
-
-        ``on_done(True)`` once the store holds the block (or at once if it is already queued),
-        ``on_done(False)`` if it was not stored: dropped at once when the queue is full, the
-        block's endpoint is cut off or the tier is closed, later if the write failed. Every
-        block gets exactly one call, never under the tier's lock.
-        """
+        """``RemoteTier.write_behind``."""
         check_hash(block_hash)
         src = memoryview(data).cast("B")
         if src.nbytes != self.block_bytes:
