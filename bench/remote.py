@@ -80,9 +80,7 @@ class _Raw:
 
     def set(self, keys: list[bytes]) -> None:
         calls = [
-            self._submit(
-                r, self._backend.put, [(keys[i], memoryview(self._values[i])) for i in idx]
-            )
+            self._submit(r, self._backend.put, [(keys[i], (self._values[i],)) for i in idx])
             for r, idx in _by_route(self._backend, keys, self._chunk)
         ]
         if not all(all(call.result()) for call in calls):

@@ -7,11 +7,10 @@ import pytest
 
 from kvtier.tiers.remote_format import (
     HEADER_BYTES,
-    MAX_META_BYTES,
     block_key,
     check_prefix,
+    head,
     key_prefix,
-    pack_into,
     unpack,
     value_size,
 )
@@ -23,8 +22,7 @@ BLOCK = 4096
 
 def packed(meta: bytes = b"engine key", payload: bytes | None = None) -> bytes:
     payload = payload if payload is not None else np.arange(BLOCK, dtype=np.uint8).tobytes()
-    out = bytearray(value_size(BLOCK, MAX_META_BYTES))
-    return bytes(pack_into(out, SIG, HASH, meta, memoryview(payload)))
+    return head(SIG, HASH, meta, memoryview(payload)) + payload
 
 
 def test_round_trip_gives_meta_and_payload():

@@ -131,7 +131,7 @@ def test_a_foreign_value_is_a_counted_miss(mooncake_store):
         store(tier, [b])
         (route,) = raw.routes([block_key(prefix, b)])
         (value_of_b,) = raw.get(route, [block_key(prefix, b)])
-        assert raw.put(route, [(block_key(prefix, a), memoryview(bytes(value_of_b)))]) == [True]
+        assert raw.put(route, [(block_key(prefix, a), (bytes(value_of_b),))]) == [True]
         assert tier.lookup_prefix([a, b]) == 2
         assert fetch(tier, [a, b])[0] == []
         assert tier.counters.checksum_failures == 1

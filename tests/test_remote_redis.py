@@ -10,7 +10,7 @@ import pytest
 from kvtier.bench.redis_server import RedisProcess
 from kvtier.tiers.remote import RemoteSettings, RemoteTier
 from kvtier.tiers.remote_format import block_key, check_prefix, key_prefix
-from kvtier.tiers.remote_redis import RedisStandalone
+from kvtier.tiers.remote_redis import _PACKER, Parts, RedisStandalone
 
 from redisutil import (
     BLOCK_BYTES,
@@ -198,3 +198,15 @@ def test_bad_arguments_raise(tier):
         tier.get_into([h], [np.zeros(BLOCK_BYTES, np.uint8).tobytes()])  # read-only
     with pytest.raises(ValueError):
         tier.get_into([h, h], [np.zeros(BLOCK_BYTES, np.uint8)])
+
+
+def test_a_value_in_parts_goes_out_as_one_bulk_string_uncopied():
+    payload = memoryview(bytearray(b"payload" * 1000))
+    packed = _PACKER.pack("SET", b"key", Parts((b"head", payload)))
+    assert any(
+        chunk is payload or (isinstance(chunk, memoryview) and chunk.obj is payload.obj)
+        for chunk in packed
+    )
+    whole = b"head" + bytes(payload)
+    plain = b"".join(bytes(c) for c in _PACKER.pack("SET", b"key", whole))
+    assert b"".join(bytes(c) for c in packed) == plain

@@ -4,7 +4,8 @@ A backend is a key-value store reached over the network, in batches, with four p
 
 * ``exists(route, keys)``: which keys the store holds;
 * ``get(route, keys)``: their values (None for an absent key);
-* ``put(route, items)``: stores ``(key, value)`` pairs, reporting each;
+* ``put(route, items)``: stores ``(key, parts)`` pairs, a value sent as the concatenation of
+  its parts (a header and a payload, neither copied into one buffer), reporting each;
 * ``delete(route, keys)``: forgets keys (a value found corrupt).
 
 Keys are ASCII bytes; values are opaque byte strings (``remote_format`` gives them meaning).
@@ -56,9 +57,9 @@ class RemoteBackend(ABC):
         """
 
     @abstractmethod
-    def put(self, route: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        """Stores each pair; True where the store took it. The values are only read during
-        the call."""
+    def put(self, route: str, items: Sequence[tuple[bytes, Sequence[Any]]]) -> list[bool]:
+        """Stores each key with the concatenation of its buffers as the value; True where the
+        store took it. The buffers are only read during the call."""
 
     @abstractmethod
     def delete(self, route: str, keys: Sequence[bytes]) -> None:

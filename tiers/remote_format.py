@@ -6,7 +6,8 @@ interchangeable never share a key, and no brace appears in it (a Redis cluster h
 key, spreading blocks over every slot).
 
 A value is one byte string: a fixed header, the block's meta (the engine's identity of the
-block, at most ``MAX_META_BYTES``, opaque here) and the payload. The header names the format,
+block, at most ``MAX_META_BYTES``, opaque here) and the payload, written as two parts (``head``
+and the payload where the caller keeps it). The header names the format,
 the layout signature, the block hash, both lengths and the xxh3_64 of meta and payload. A value
 is only data if every one of those matches what the reader asked for: a wrong, torn, truncated
 or foreign value is a miss, never a block.
@@ -49,23 +50,17 @@ def value_size(block_bytes: int, meta_bytes: int) -> int:
     return HEADER_BYTES + meta_bytes + block_bytes
 
 
-def pack_into(
-    out: bytearray, signature: bytes, block_hash: bytes, meta: bytes, payload: memoryview
-) -> memoryview:
-    """Writes the value of one block into ``out``; returns the view of the bytes written.
+def head(signature: bytes, block_hash: bytes, meta: bytes, payload: memoryview) -> bytes:
+    """The bytes that go before ``payload`` in its stored value: the header, then ``meta``.
 
-    ``payload`` is copied exactly once, into ``out``; the checksum is taken from that copy, so
-    what is stored is what was summed even if the caller's buffer changed under us.
+    The value is sent as these two parts, so the payload is never copied here; the checksum is
+    taken from the payload as it is now. A caller that changed it before the send would store
+    a value whose checksum fails: a miss for every reader, never wrong data.
     """
-    size = value_size(payload.nbytes, len(meta))
-    view = memoryview(out)[:size]
-    body = view[HEADER_BYTES:]
-    body[: len(meta)] = meta
-    body[len(meta) :] = payload
-    checksum = xxhash.xxh3_64_intdigest(body)
-    _HEADER.pack_into(
-        out,
-        0,
+    checksum = xxhash.xxh3_64()
+    checksum.update(meta)
+    checksum.update(payload)
+    header = _HEADER.pack(
         _MAGIC,
         FORMAT_VERSION,
         0,
@@ -73,9 +68,9 @@ def pack_into(
         block_hash,
         payload.nbytes,
         len(meta),
-        checksum,
+        checksum.intdigest(),
     )
-    return view
+    return header + meta
 
 
 def unpack(value: Any, signature: bytes, block_hash: bytes, block_bytes: int) -> tuple[bytes, int]:

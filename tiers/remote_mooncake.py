@@ -93,9 +93,9 @@ class MooncakeBackend(RemoteBackend):
                 values.append(memoryview(staging)[i * size : i * size + got])
         return values
 
-    def put(self, route: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+    def put(self, route: str, items: Sequence[tuple[bytes, Sequence[Any]]]) -> list[bool]:
         store = self._connected(route)
-        codes = [store.put(key.decode("ascii"), value) for key, value in items]
+        codes = [store.put_parts(key.decode("ascii"), *parts) for key, parts in items]
         if codes and all(code < 0 for code in codes):
             raise RemoteError(f"{self.name}: puts failed: {codes}")
         for code in codes:

@@ -8,6 +8,9 @@ each value, and its Python API gives no control over pipelines per node, which i
 tier needs. One thing is changed from the defaults: requests are packed by redis-py's own
 Python serializer, which hands a large value to the socket as it is, where the hiredis packer
 copies each 2 MiB value twice into one request buffer (replies are still parsed by hiredis).
+It is extended by one case: a value given as ``Parts`` (the header, and the payload where the
+caller keeps it) goes out as one bulk string written from its buffers in turn, so a block is
+never copied on this side of the socket either.
 
 Cluster: a route is a primary; its keys go to it as one pipeline (``EXISTS``/``GET``/``SET`` per
 key, no transaction), on that primary's own connection pool, so a slow node ties up only
@@ -40,9 +43,36 @@ log = logging.getLogger(__name__)
 SEEDS = "seeds"
 """The route of every key while a cluster's slot map is not known yet."""
 
-# A request packer that puts large values on the socket without copying them; it keeps no state
-# (6000 B is redis-py's own cut-off between joining an argument and sending it on its own).
-_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+
+class Parts(tuple):
+    """One command argument sent as the concatenation of these buffers (none is copied)."""
+
+    __slots__ = ()
+
+
+class _Packer(PythonRespSerializer):
+    """redis-py's serializer, plus ``Parts`` arguments: framed as one bulk string (RESP's
+    ``$<length>``), each buffer handed to the socket as it is."""
+
+    def pack(self, *args: Any) -> list[Any]:
+        if not any(isinstance(arg, Parts) for arg in args):
+            return super().pack(*args)
+        output: list[Any] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            if isinstance(arg, Parts):
+                views = [memoryview(part).cast("B") for part in arg]
+                output.append(b"$%d\r\n" % sum(v.nbytes for v in views))
+                output.extend(views)
+            else:
+                value = self.encode(arg)
+                output += [b"$%d\r\n" % len(value), value]
+            output.append(b"\r\n")
+        return output
+
+
+# It keeps no state (6000 B is redis-py's own cut-off between joining an argument into the
+# request and sending it on its own).
+_PACKER = _Packer(6000, Encoder("utf-8", "strict", False).encode)
 # Errors after which a cluster's slot map may be out of date.
 _TOPOLOGY_ERRORS = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 
@@ -109,8 +139,9 @@ class RedisBackend(RemoteBackend):
     def get(self, route: str, keys: Sequence[bytes]) -> list[Any | None]:
         return self._pipeline(route, "GET", [(k,) for k in keys])
 
-    def put(self, route: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
-        replies = self._pipeline(route, "SET", items, per_key_errors=True)
+    def put(self, route: str, items: Sequence[tuple[bytes, Sequence[Any]]]) -> list[bool]:
+        args = [(key, Parts(parts)) for key, parts in items]
+        replies = self._pipeline(route, "SET", args, per_key_errors=True)
         return [reply is True for reply in replies]
 
     def delete(self, route: str, keys: Sequence[bytes]) -> None:

@@ -25,10 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class Borrow:
-    """Copies that a call makes from or into its caller's buffers, stopped when it answers.
+    """Reads and writes of a caller's buffers by a call's workers, stopped when it answers.
 
-    A worker copies only between ``begin()`` (False once the call has answered) and ``end()``;
-    ``close()`` forbids new copies and waits for those under way, one block each at most.
+    A worker touches them only between ``begin()`` (False once the call has answered) and
+    ``end()``; ``close()`` forbids new uses and waits for those under way (a copy of one block,
+    or a send that ends at the latest on its socket timeout).
     """
 
     __slots__ = ("_active", "_closed", "_cond")

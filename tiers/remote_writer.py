@@ -4,9 +4,10 @@ stores them in batches.
 A block joins the queue at once or is dropped at once (queue full, its endpoint cut off, the
 tier closed), counted, so the caller never waits. The writer takes up to ``batch_blocks``,
 asks the store which it already holds (one ``EXISTS`` round trip per endpoint: those are not
-sent again), copies each other block with its header into a value buffer of its own and sends
-them pipelined, every endpoint at once. The caller's buffer is read only by that copy, guarded
-by a ``Borrow``, so ``on_done`` frees it even when a call outlives its timeout.
+sent again) and sends the others pipelined, every endpoint at once, each value as its header
+and the caller's own buffer: the payload is never copied on this side of the socket. A send
+holds a ``Borrow`` of the callers' buffers, so ``on_done`` comes only once no call reads them,
+even when a call outlives its timeout (it then ends on the socket timeout).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import check_hash
 from kvtier.tiers.remote_backend import RemoteBackend
-from kvtier.tiers.remote_format import MAX_META_BYTES, block_key, pack_into, value_size
+from kvtier.tiers.remote_format import MAX_META_BYTES, block_key, head
 from kvtier.tiers.remote_routes import Borrow, Routes
 
 OnDone = Callable[[bool], None]
@@ -34,27 +35,6 @@ class _Write:
     data: memoryview
     meta: bytes
     on_done: OnDone | None
-
-
-class _BufferPool:
-    """Value buffers for the writer: a fresh 2 MiB allocation costs page faults on each use."""
-
-    def __init__(self, size: int, keep: int) -> None:
-        self._size = size
-        self._keep = keep
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> bytearray:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray(self._size)
-
-    def give(self, buf: bytearray) -> None:
-        with self._lock:
-            if len(self._free) < self._keep:
-                self._free.append(buf)
 
 
 class RemoteWriter:
@@ -89,7 +69,6 @@ class RemoteWriter:
         self._pipeline_blocks = pipeline_blocks
         self._timeout_s = transfer_timeout_s
         self._on_event = on_event
-        self._buffers = _BufferPool(value_size(block_bytes, MAX_META_BYTES), 2 * batch_blocks)
         self._queue: deque[_Write] = deque()
         self._queued: set[bytes] = set()  # hashes queued or being written
         self._changed = threading.Condition(lock)
@@ -188,23 +167,20 @@ class RemoteWriter:
                     todo.append(i)
             if not todo:
                 return
-            buffers = [self._buffers.take() for _ in todo]
+            # The sends read the callers' buffers: they stay borrowed until the call returns.
+            if not borrow.begin():
+                return
             try:
                 items = []
-                for i, buf in zip(todo, buffers, strict=True):
+                for i in todo:
                     w = batch[i]
-                    if not borrow.begin():
-                        return
-                    try:
-                        value = pack_into(buf, self._signature, w.block_hash, w.meta, w.data)
-                    finally:
-                        borrow.end()
-                    items.append((keys[i], value))
+                    items.append(
+                        (keys[i], (head(self._signature, w.block_hash, w.meta, w.data), w.data))
+                    )
                 for i, ok in zip(todo, self._backend.put(route, items), strict=True):
                     outcome[i] = True if ok else None
             finally:
-                for buf in buffers:
-                    self._buffers.give(buf)
+                borrow.end()
 
         self._routes.fan_out(keys, work, self._timeout_s, self._pipeline_blocks)
         borrow.close()
