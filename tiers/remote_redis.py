@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,8 +127,9 @@ class RedisBackend(RemoteBackend):
     """Pipelined batches on one server's connection pool per route (see ``RedisStandalone``
     and ``RedisClusterBackend`` for where the routes come from)."""
 
+    @abstractmethod
     def _client(self, route: str) -> redis.Redis:
-        raise NotImplementedError
+        """The client of the server that ``route`` names."""
 
     def _failed(self, route: str, error: BaseException) -> RemoteError:
         """The error to raise for a failed call on ``route`` (a hook for topology changes)."""
