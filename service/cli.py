@@ -21,6 +21,7 @@ BENCHMARKS = {
     "daemon": ("kvtier.bench.daemon", "daemon lookup latency and arena copy rates"),
     "replay": ("kvtier.bench.replay", "replay a request trace through the tier stack"),
     "gpu": ("kvtier.bench.gpu", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
+    "remote": ("kvtier.bench.remote", "remote tier put/get beside raw pipelined SET/GET"),
 }
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Annotated
 
 from kvtier.proto import contract
+from kvtier.tiers.remote import RemoteSettings
+from kvtier.tiers.remote_config import PASSWORD_ENV, RemoteConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,6 +98,19 @@ class DaemonConfig:
     """WatchEvents subscribers at once."""
     session_slot_share: float = 0.5
     """Most of a layout's slots one session may hold reserved, and as many acquired."""
+    remote: str | None = None
+    """The store shared by many nodes below the disk tier (off by default): ``redis://HOST:PORT``,
+    ``rediss://…``, a cluster seed list ``HOST:PORT,HOST:PORT`` or ``mooncake://MASTER``
+    (``kvtier.tiers.remote_config``)."""
+    remote_password_file: Path | None = None
+    """The store's password; without it ``$KVTIER_REMOTE_PASSWORD``. Never in the URL."""
+    remote_ca_file: Path | None = None
+    remote_cert_file: Path | None = None
+    remote_key_file: Path | None = None
+    remote_lookup_timeout_s: float = 0.5
+    remote_transfer_timeout_s: float = 5.0
+    remote_queue_bytes: ByteSize = 256 << 20
+    """Blocks waiting to be written to the store beyond this are dropped (and counted)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,6 +136,7 @@ class DaemonConfig:
             raise ConfigError(
                 "stats_port", f"stats_port must be in -1..65535, not {self.stats_port}"
             )
+        self.remote_config()  # a bad URL or setting fails here, at start-up
 
     @property
     def socket_path(self) -> Path:
@@ -133,6 +149,23 @@ class DaemonConfig:
     @property
     def arena_name(self) -> str:
         return f"kvtier-{self.name}"
+
+    def remote_config(self) -> RemoteConfig | None:
+        """How to open the remote tier, or None when there is none."""
+        if not self.remote:
+            return None
+        return RemoteConfig(
+            self.remote,
+            password_file=self.remote_password_file,
+            ca_file=self.remote_ca_file,
+            cert_file=self.remote_cert_file,
+            key_file=self.remote_key_file,
+            settings=RemoteSettings(
+                lookup_timeout_s=self.remote_lookup_timeout_s,
+                transfer_timeout_s=self.remote_transfer_timeout_s,
+                queue_bytes=self.remote_queue_bytes,
+            ),
+        )
 
     def read_token(self) -> str | None:
         """The TCP token: from ``token_file`` if set (warning if others may read it), else
@@ -288,6 +321,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--session-slot-share",
         help="most of a layout's slots one session may hold reserved or acquired (default 0.5)",
     )
+    add(
+        "--remote",
+        metavar="URL",
+        help="shared store below the disk tier: redis://HOST:PORT, rediss://..., "
+        "HOST:PORT,HOST:PORT (a cluster) or mooncake://MASTER (default: none)",
+    )
+    add(
+        "--remote-password-file",
+        help=f"file holding the store's password (else ${PASSWORD_ENV}; never in the URL)",
+    )
+    add("--remote-ca-file", help="CA bundle to check a rediss:// store against")
+    add("--remote-cert-file", help="client certificate for a rediss:// store")
+    add("--remote-key-file", help="client key for a rediss:// store")
+    add(
+        "--remote-lookup-timeout-s",
+        help=f"longest wait for the store in a lookup (default {d.remote_lookup_timeout_s})",
+    )
+    add(
+        "--remote-transfer-timeout-s",
+        help=f"longest wait for a get or a write batch (default {d.remote_transfer_timeout_s})",
+    )
+    add("--remote-queue-bytes", help="writes waiting for the store before drops (default 256MiB)")
 
 
 def from_args(args: argparse.Namespace) -> DaemonConfig:

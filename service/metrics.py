@@ -27,6 +27,8 @@ _COUNTERS = {
     "bytes_in": ("bytes_in", "Bytes written into the tier"),
     "bytes_out": ("bytes_out", "Bytes read out of the tier"),
     "checksum_failures": ("checksum_failures", "Blocks dropped for a bad checksum"),
+    "fault_misses": ("fault_misses", "Blocks missed because the tier failed or timed out"),
+    "breaker_trips": ("breaker_trips", "Times a circuit breaker cut the tier or a node off"),
 }
 _GAUGES = {
     "used_blocks": ("used_blocks", "Blocks held by the tier"),

@@ -4,7 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pip install torch==2.13.0 -e '.[test]'
+# The remote tier's tests run real stores: Debian's redis-server (one with TLS, certificates
+# made by openssl), and Mooncake's own master and storage binaries from its wheel, which need
+# the RDMA and NUMA libraries to load even on TCP.
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v openssl >/dev/null || need+=(openssl)
+ldconfig -p | grep libibverbs.so.1 >/dev/null || need+=(libibverbs1)
+ldconfig -p | grep libnuma.so.1 >/dev/null || need+=(libnuma1)
+if ((${#need[@]})); then
+    apt-get update && apt-get install -y --no-install-recommends "${need[@]}"
+fi
+pip install torch==2.13.0 -e '.[test,mooncake]'
 ruff check .
 ruff format --check .
 python -m pytest -q

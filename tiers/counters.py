@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(slots=True)
 class TierCounters:
-    """Counts for one tier (``gpu``, ``host`` or ``disk``)."""
+    """Counts for one tier (``gpu``, ``host``, ``disk`` or ``remote``)."""
 
     tier: str
     query_tokens: int = 0
@@ -26,6 +26,10 @@ class TierCounters:
     bytes_in: int = 0
     bytes_out: int = 0
     checksum_failures: int = 0
+    fault_misses: int = 0
+    """Blocks answered as misses because the tier failed, timed out or was cut off (remote)."""
+    breaker_trips: int = 0
+    """Times a circuit breaker cut the tier (or one node of it) off after failures (remote)."""
     used_blocks: int = 0
     capacity_blocks: int = 0
     used_bytes: int = 0
