@@ -1,11 +1,13 @@
 """One layout's tiers in the daemon: its shared-memory arena as the host tier, the disk tier
-below it, and the counters, events and budgets that go with them.
+below it, the remote tier below that (if any), and the counters, events and budgets that go
+with them.
 
 A layout (one model's KV shape: signature and block size) gets its own arena and its own
 disk directory, so slots are one size per arena and never fragment, and each layout has its
 own budget. Commits are write-behind: a committed block is readable in the host tier at once,
 and the host tier writes it to the disk tier from its (pinned) slot in the disk writer's next
-batch — never on the committing client's path.
+batch — never on the committing client's path; likewise to the remote tier, whose hits are
+promoted into host slots (and the disk tier) before a client reads them.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from kvtier.service.arena import Arena
 from kvtier.service.events import EventHub
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.hashing import HASH_VERSION
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.lower import LowerHits
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.remote_config import RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +47,33 @@ class LayoutStore:
         *,
         disk_sync: bool = True,
         flush_interval_s: float = 1.0,
+        remote: RemoteConfig | None = None,
     ):
         self.signature = signature
         self.block_bytes = block_bytes
         self.arena = arena
         self.events = events
-        self.counters = {tier: TierCounters(tier) for tier in (HOST, DISK)}
+        tiers = (HOST, DISK, REMOTE) if remote is not None else (HOST, DISK)
+        self.counters = {tier: TierCounters(tier) for tier in tiers}
         self.disk: DiskTier | None = None
         self.disk_state = "off"
         if disk_path is not None and disk_bytes > 0:
             self.disk = self._open_disk(disk_path, disk_bytes, disk_sync, flush_interval_s)
+        self.remote: RemoteTier | None = None
+        if remote is not None:
+            self.remote = remote.open_tier(
+                signature,
+                block_bytes,
+                HASH_VERSION,
+                counters=self.counters[REMOTE],
+                on_event=self._remote_event,
+            )
         self.host = HostTier(
             block_bytes,
             arena.size,
             buffer=arena.tensor,
             lower=self.disk,
+            remote=self.remote,
             write_behind=True,
             counters=self.counters[HOST],
             on_event=self._host_event,
@@ -75,8 +92,10 @@ class LayoutStore:
     def lookup(self, hashes: Sequence[bytes], block_tokens: int) -> LowerHits:
         hits = self.host.lookup(hashes)
         asked = len(hashes)
-        for tier, hit in ((HOST, hits.host), (DISK, hits.disk)):
-            counters = self.counters[tier]
+        for tier, hit in ((HOST, hits.host), (DISK, hits.disk), (REMOTE, hits.remote)):
+            counters = self.counters.get(tier)
+            if counters is None:
+                break
             counters.query_tokens += asked * block_tokens
             counters.hit_tokens += hit * block_tokens
             asked -= hit
@@ -129,9 +148,11 @@ class LayoutStore:
         return [(DISK, h, m) for h, m in self.disk.scan(after, limit)]
 
     def close(self) -> None:
-        """Flushes and closes the disk tier, then the arena."""
+        """Flushes and closes the disk and remote tiers, then the arena."""
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
         self.arena.close()
 
     # ---- internals ----
@@ -176,3 +197,6 @@ class LayoutStore:
 
     def _disk_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
         self.events.emit(kind, DISK, block_hash, meta, self.signature)
+
+    def _remote_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
+        self.events.emit(kind, REMOTE, block_hash, meta, self.signature)

@@ -107,6 +107,7 @@ class BlockStore:
                 self.events,
                 disk_sync=config.disk_sync,
                 flush_interval_s=config.flush_interval_s,
+                remote=config.remote_config(),
             )
         except BaseException:
             arena.close()

@@ -183,7 +183,7 @@ class TierMachine(RuleBasedStateMachine):
         stack.lower._on_event = self._on_host_event
         return stack
 
-    def _on_host_event(self, kind: str, block_hash: bytes) -> None:
+    def _on_host_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
         if kind == "stored":
             self.host_stores[block_hash] = self.host_stores.get(block_hash, 0) + 1
 

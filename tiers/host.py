@@ -107,21 +107,31 @@ class HostTier:
             check_hash(h)
         hits = LowerHits()
         pos, n = 0, len(hashes)
+        resident: list[int] = []
         with self._lock:
+            table = self._slots
             while pos < n:
-                if self._slots.ready_slot(hashes[pos]) is not None:
-                    hits.host += 1
+                slot = table.ready_slot(hashes[pos])
+                if slot is not None:
+                    resident.append(slot)
                     pos += 1
                     continue
                 run = self.lower.lookup_prefix(hashes[pos:]) if self.lower else 0
                 if run == 0:
                     break
                 for h in hashes[pos : pos + run]:
-                    if self._slots.ready_slot(h) is not None:
-                        hits.host += 1
+                    slot = table.ready_slot(h)
+                    if slot is not None:
+                        resident.append(slot)
                     else:
                         hits.disk += 1
                 pos += run
+            # An answer is followed by an acquire: make these the most recently used (the
+            # prefix's head last), so that other promotions meanwhile evict colder blocks and
+            # the acquire finds here what this answer says is here.
+            for slot in reversed(resident):
+                table.touch(slot)
+        hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
         return hits

@@ -107,6 +107,12 @@ class SlotTable:
         self.lru_remove(slot)
         return slot
 
+    def touch(self, slot: int) -> None:
+        """Makes an unpinned committed slot the most recently used (a pinned one stays out)."""
+        if self._prev[slot] >= 0:
+            self.lru_remove(slot)
+            self.lru_push(slot)
+
     def pin(self, slot: int) -> None:
         """One more holder (a reader or a write behind); a held slot is never evicted."""
         if self.refs[slot] == 0:
