@@ -99,23 +99,20 @@ def kvtier_transfer_config(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """What the child builds: ``vllm.LLM(model=model, **llm_kwargs)`` and its environment."""
+    """What the child builds: ``vllm.LLM(model=model, **llm_kwargs)``."""
 
     model: str
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
     inproc: bool = False
     """Run vLLM's EngineCore (and its worker) in the child process itself."""
-    env: dict[str, str] = field(default_factory=dict)
 
     def environment(self) -> dict[str, str]:
-        env = {
+        return {
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_NO_USAGE_STATS": "1",
             "HF_HUB_OFFLINE": "1",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.inproc else "1",
         }
-        env.update(self.env)
-        return env
 
 
 @dataclass(frozen=True)
@@ -152,16 +149,13 @@ class EngineProcess:
         self._proc.start()
         child_conn.close()
         self._in_flight = "start"
+        self._killed = False
         try:
             self.receive(start_timeout)
         except BaseException:
             self.kill()
             raise
         self.start_s = time.monotonic() - started
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
 
     def alive(self) -> bool:
         return self._proc.is_alive()
@@ -226,7 +220,7 @@ class EngineProcess:
     # ---- teardown ----
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Shuts the engine down; kills its process group if that does not finish in time."""
+        """Shuts the engine down, then kills whatever of its process group is left."""
         if self._proc.is_alive() and self._in_flight is None:
             with contextlib.suppress(EngineError):
                 self.call("close", timeout=timeout)
@@ -235,9 +229,11 @@ class EngineProcess:
 
     def kill(self) -> None:
         """SIGKILLs the child's process group: the child, its EngineCore and its worker."""
-        if self._proc.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+        if self._killed:
+            return
+        self._killed = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
         self._proc.join(CLOSE_TIMEOUT_S)
         self._conn.close()
 
