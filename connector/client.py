@@ -21,6 +21,7 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import grpc
 
@@ -166,6 +167,49 @@ class DaemonClient:
             if reply.host + reply.disk < len(chunk):
                 break
         return hits
+
+    def lookup_async(self, hashes: Sequence[BlockHash]) -> Future[LowerHits]:
+        """``lookup`` without waiting: the future resolves to its answer and never raises.
+
+        Daemon trouble resolves it to the hits of the chunks answered so far (a miss),
+        counted in ``failures``. Chunks are asked one after another, each only if the
+        previous one was a full hit.
+        """
+        answer: Future[LowerHits] = Future()
+        session = self._session
+        if session is None or not hashes:
+            self.failures += session is None and bool(hashes)
+            answer.set_result(LowerHits())
+            return answer
+        hits = LowerHits()
+
+        def ask(start: int) -> None:
+            chunk = hashes[start : start + self._max_hashes]
+            request = pb.LookupRequest(session_id=session, hashes=_pack(chunk))
+            call = self._stub.Lookup.future(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
+            call.add_done_callback(lambda call: answered(call, start + len(chunk)))
+
+        def answered(call: grpc.Future, end: int) -> None:
+            try:
+                reply = call.result()
+            except grpc.FutureCancelledError:
+                answer.set_result(hits)
+                return
+            except grpc.RpcError as exc:
+                self._trouble("Lookup", exc, session, stateful=False)
+                answer.set_result(hits)
+                return
+            hits.host += reply.host
+            hits.disk += reply.disk
+            if hits.total < end or end >= len(hashes):
+                answer.set_result(hits)
+            else:
+                ask(end)
+
+        ask(0)
+        return answer
 
     def reserve(
         self, hashes: Sequence[BlockHash], parents: Sequence[BlockHash] | None = None
