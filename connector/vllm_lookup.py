@@ -12,7 +12,7 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from kvtier.connector.client import DaemonClient
-from kvtier.connector.vllm_request import RequestHashes
+from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host import LowerHits
 
 
@@ -25,11 +25,11 @@ class Lookup:
     answers: list[Future[LowerHits]]
 
     @classmethod
-    def ask(cls, client: DaemonClient, hashes: RequestHashes, start: int, end: int) -> Lookup:
-        answers = [
-            client.lookup_async(hashes.rank(rank, start, end)) for rank in range(hashes.ranks)
-        ]
-        return cls(start, end, answers)
+    def ask(
+        cls, client: DaemonClient, per_rank: list[list[BlockHash]], start: int, end: int
+    ) -> Lookup:
+        """Asks about ``per_rank[r]``, rank r's hashes of blocks ``[start, end)``."""
+        return cls(start, end, [client.lookup_async(hashes) for hashes in per_rank])
 
     def done(self) -> bool:
         return all(answer.done() for answer in self.answers)

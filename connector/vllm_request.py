@@ -1,4 +1,5 @@
-"""kvtier's block hashes of one vLLM request, for every tensor-parallel rank.
+"""One vLLM request as the scheduler side sees it: its state, and kvtier's block hashes of it
+for every tensor-parallel rank.
 
 The chain covers the request's token ids as they grow (prompt, then output tokens for blocks
 stored during decode); the LoRA name, multimodal inputs and ``cache_salt`` of the request
@@ -13,9 +14,12 @@ prefix vLLM still agrees with, and hashes on from there.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kvtier.connector.vllm_lookup import Lookup
 from kvtier.connector.vllm_metadata import pack
 from kvtier.tiers.hashing import BlockHash, ExtraKeys, MultiModalInput, hash_block_chain
+from kvtier.tiers.host import LowerHits
 
 
 def extra_keys(request) -> ExtraKeys:
@@ -61,10 +65,6 @@ class RequestHashes:
     def __len__(self) -> int:
         return len(self._marks)
 
-    @property
-    def ranks(self) -> int:
-        return len(self._chains)
-
     def extend_to(self, request, num_blocks: int) -> int:
         """Follows vLLM's hashes of ``request``, then hashes blocks up to ``num_blocks`` (as
         far as vLLM has hashed them); returns the number of blocks hashed."""
@@ -95,9 +95,9 @@ class RequestHashes:
         cut, self._cut = self._cut, None
         return cut
 
-    def rank(self, rank: int, start: int, end: int) -> list[BlockHash]:
-        """Rank ``rank``'s hashes of blocks ``[start, end)``."""
-        return self._chains[rank][1][start:end]
+    def per_rank(self, start: int, end: int) -> list[list[BlockHash]]:
+        """Every rank's hashes of blocks ``[start, end)``."""
+        return [chain[start:end] for _, chain in self._chains]
 
     def packed(self, start: int, end: int) -> tuple[bytes, ...]:
         """Per rank, the packed hashes of blocks ``[start, end)``."""
@@ -135,3 +135,40 @@ class RequestHashes:
             del chain[num_blocks:]
         del self._marks[num_blocks:]
         self._cut = num_blocks if self._cut is None else min(self._cut, num_blocks)
+
+
+@dataclass(slots=True)
+class PlannedLoad:
+    """A planned load whose outcome is not known yet."""
+
+    start: int
+    """Index of its first block in the request."""
+    block_ids: list[int]
+    sync: bool
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the scheduler side remembers of one request."""
+
+    request: object
+    hashes: RequestHashes
+    block_ids: list[int] = field(default_factory=list)
+    stored_blocks: int = 0
+    """Leading blocks already in kvtier or handed to the workers to store."""
+    scheduled: bool = False
+    """vLLM has scheduled it at least once (a later "new" scheduling resumes it)."""
+    running: bool = False
+    """It holds KV it computed since it was last admitted (not waiting, loading or preempted)."""
+    lookup: Lookup | None = None
+    offer: LowerHits | None = None
+    """The hit last returned to vLLM, of blocks from ``offer_start`` on."""
+    offer_start: int = 0
+    load: PlannedLoad | None = None
+    verify_end: int = 0
+    """Tokens vLLM must have processed before blocks computed over a sync load are stored."""
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    stores_issued: bool = False
+    stale: bool = False
+    """It holds KV from before ``reset_cache``: none of it may be stored any more."""

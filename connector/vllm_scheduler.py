@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 
 import xxhash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -33,50 +32,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.vllm_config import KVTierConfig
 from kvtier.connector.vllm_lookup import Lookup, Lookups
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec
-from kvtier.connector.vllm_request import RequestHashes
+from kvtier.connector.vllm_request import PlannedLoad, RequestHashes, RequestState
 from kvtier.connector.vllm_stats import KVTierStats
 from kvtier.tiers.hashing import BlockHash, Namespace
-from kvtier.tiers.host import LowerHits
 from kvtier.tiers.layout import KVLayout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _Load:
-    """A planned load whose outcome is not known yet."""
-
-    start: int
-    """Index of its first block in the request."""
-    block_ids: list[int]
-    sync: bool
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the scheduler side remembers of one request."""
-
-    request: object
-    hashes: RequestHashes
-    block_ids: list[int] = field(default_factory=list)
-    stored_blocks: int = 0
-    """Leading blocks already in kvtier or handed to the workers to store."""
-    scheduled: bool = False
-    """vLLM has scheduled it at least once (a later "new" scheduling resumes it)."""
-    running: bool = False
-    """It holds KV it computed since it was last admitted (not waiting, loading or preempted)."""
-    lookup: Lookup | None = None
-    offer: LowerHits | None = None
-    """The hit last returned to vLLM, of blocks from ``offer_start`` on."""
-    offer_start: int = 0
-    load: _Load | None = None
-    verify_end: int = 0
-    """Tokens vLLM must have processed before blocks computed over a sync load are stored."""
-    host_hit_blocks: int = 0
-    disk_hit_blocks: int = 0
-    stores_issued: bool = False
-    stale: bool = False
-    """It holds KV from before ``reset_cache``: none of it may be stored any more."""
 
 
 class SchedulerSide:
@@ -104,8 +65,8 @@ class SchedulerSide:
                 "kvtier daemon %s not reachable yet; lookups miss until it is", config.target()
             )
         self.stats = KVTierStats()
-        self._requests: dict[str, _Request] = {}
-        self._loading: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._loading: dict[str, RequestState] = {}
         self._lookups = Lookups()
         self._loads: list[LoadSpec] = []
         self._stores: list[StoreSpec] = []
@@ -118,15 +79,15 @@ class SchedulerSide:
 
     # ---- requests and lookups ----
 
-    def _state(self, request) -> _Request:
+    def _state(self, request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             hashes = RequestHashes(request, self._seeds, self.block_size, self.hash_block_size)
-            state = _Request(request, hashes)
+            state = RequestState(request, hashes)
             self._requests[request.request_id] = state
         return state
 
-    def _hash(self, state: _Request, num_blocks: int) -> int:
+    def _hash(self, state: RequestState, num_blocks: int) -> int:
         """Hashes up to ``num_blocks``; whatever vLLM took back is no longer stored or asked."""
         end = state.hashes.extend_to(state.request, num_blocks)
         cut = state.hashes.take_cut()
@@ -136,12 +97,12 @@ class SchedulerSide:
             state.lookup = None
         return end
 
-    def _lookup(self, state: _Request, start: int, end: int) -> Lookup:
+    def _lookup(self, state: RequestState, start: int, end: int) -> Lookup:
         """The lookup of blocks ``[start, end)``: the one asked before, or a new one."""
         lookup = state.lookup
         if lookup is None or (lookup.start, lookup.end) != (start, end):
             self._lookups.discard(lookup)
-            lookup = Lookup.ask(self.client, state.hashes, start, end)
+            lookup = Lookup.ask(self.client, state.hashes.per_rank(start, end), start, end)
             self._lookups.add(lookup)
             state.lookup = lookup
             self.stats.add("lookup_tokens", (end - start) * self.block_size)
@@ -196,7 +157,7 @@ class SchedulerSide:
                 sync=sync,
             )
         )
-        state.load = _Load(start, block_ids, sync)
+        state.load = PlannedLoad(start, block_ids, sync)
         self._loading[request.request_id] = state
         if state.stored_blocks >= start:
             state.stored_blocks = max(state.stored_blocks, start + num)
@@ -206,7 +167,7 @@ class SchedulerSide:
         self.stats.add("disk_hit_tokens", state.disk_hit_blocks * self.block_size)
         # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
         self._lookups.discard(state.lookup)
-        state.lookup = None
+        state.lookup, state.offer = None, None
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """``num_external_tokens`` split by the tier that holds them."""
@@ -273,7 +234,7 @@ class SchedulerSide:
             self._plan_compute_store(meta, state, end)
         return meta
 
-    def _admitted(self, state: _Request) -> None:
+    def _admitted(self, state: RequestState) -> None:
         state.scheduled = state.running = True
         if state.lookup is not None:
             # An answer holds for one wait: once it runs, its own stores change what the
@@ -281,7 +242,7 @@ class SchedulerSide:
             self._lookups.discard(state.lookup)
             state.lookup = None
 
-    def _preempted(self, state: _Request) -> None:
+    def _preempted(self, state: RequestState) -> None:
         """Its blocks are gone: whatever it computes from now on is fresh KV."""
         state.block_ids = []
         state.running = False
@@ -294,14 +255,14 @@ class SchedulerSide:
             state.load = None
         state.verify_end = 0
 
-    def _plan_compute_store(self, meta: KVTierMetadata, state: _Request, end: int) -> None:
+    def _plan_compute_store(self, meta: KVTierMetadata, state: RequestState, end: int) -> None:
         if self.config.store_policy != "on_compute":
             return
         spec = self._store_spec(state, end // self.block_size)
         if spec is not None:
             meta.stores.append(spec)
 
-    def _store_spec(self, state: _Request, full_blocks: int) -> StoreSpec | None:
+    def _store_spec(self, state: RequestState, full_blocks: int) -> StoreSpec | None:
         """A store of blocks ``[stored_blocks, full_blocks)`` whose ids and tokens are known."""
         request = state.request
         if state.stale:
