@@ -53,6 +53,11 @@ class SchedulerSide:
     ):
         self.config = config
         self.block_size = layout.block_size
+        if hash_block_size and self.block_size % hash_block_size:
+            raise ValueError(
+                f"vLLM hashes blocks of {hash_block_size} tokens, which does not divide "
+                f"kvtier's block of {self.block_size}"
+            )
         self.hash_block_size = hash_block_size
         namespaces = [
             Namespace(model_id, layout.signature, rank, tp_world) for rank in range(tp_world)

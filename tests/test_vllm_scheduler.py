@@ -322,10 +322,13 @@ def test_abort_during_async_load_after_preemption_is_not_held(make_engine, daemo
 # ---------------------------------------------------------------- item 2: preempted and resumed
 
 
-def test_preempted_and_resumed_in_one_step_keeps_its_blocks(make_engine) -> None:
+@pytest.mark.parametrize("v2_runner", [False, True], ids=["runner-v1", "runner-v2"])
+def test_preempted_and_resumed_in_one_step_keeps_its_blocks(make_engine, v2_runner) -> None:
     # min_hit_blocks=99: the connector answers at once, so vLLM resumes the request in the
-    # very step that reports its preemption by reset_prefix_cache.
+    # very step that reports its preemption by reset_prefix_cache. vLLM reports a resumed
+    # request among the cached requests, or for model runner V2 among the new ones.
     engine = make_engine(min_hit_blocks=99)
+    engine.scheduler.use_v2_model_runner = v2_runner
     request = engine.add([*prompt(22, 3 * BLOCK), 1], "a", max_tokens=6 * BLOCK)
     for _ in range(4):
         engine.step()
