@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connector.vllm_config import KVTierConfig
+from kvtier.connector.vllm_config import KVTierConfig, check_load_failure_policy
 from kvtier.connector.vllm_layout import REQUIRED_KV_CACHE_LAYOUT, layout_from_kv_cache_config
 from kvtier.connector.vllm_metadata import KVTierMetadata
 from kvtier.connector.vllm_scheduler import SchedulerSide
@@ -46,6 +46,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_load_failure_policy(self._kv_transfer_config)
         config = KVTierConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
         self._scheduler: SchedulerSide | None = None
@@ -53,7 +54,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             model_id = config.model_id or vllm_config.model_config.model
             tp_world = vllm_config.parallel_config.tensor_parallel_size
-            self._scheduler = SchedulerSide(config, layout, model_id, tp_world)
+            hash_block_size = kv_cache_config.hash_block_size  # None: vLLM's block size
+            self._scheduler = SchedulerSide(config, layout, model_id, tp_world, hash_block_size)
         else:
             self._worker = WorkerSide(config, layout, layer_names, _tp_rank())
         log.info(
@@ -161,6 +163,9 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.scheduler.request_finished(request, block_ids), None
+
+    def reset_cache(self) -> bool:
+        return self.scheduler.reset_cache()
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()

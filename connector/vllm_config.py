@@ -101,6 +101,22 @@ class KVTierConfig:
         )
 
 
+def check_load_failure_policy(kv_transfer_config) -> None:
+    """Refuses vLLM's default ``kv_load_failure_policy`` of ``fail``.
+
+    A block that kvtier offered can be gone by the time it is loaded (evicted between lookup
+    and acquire, a daemon restart or deadline); with ``fail`` vLLM would turn each such
+    routine miss into a failed user request instead of recomputing the block.
+    """
+    policy = kv_transfer_config.kv_load_failure_policy
+    if policy != "recompute":
+        raise ValueError(
+            f"KVTierConnector needs kv_load_failure_policy 'recompute', not {policy!r}: a "
+            "kvtier block can vanish between lookup and load, which must cost a recompute, "
+            'not the request. Add "kv_load_failure_policy": "recompute" to --kv-transfer-config.'
+        )
+
+
 def _check_type(key: str, value: Any, field: dataclasses.Field) -> None:
     annotation = str(field.type)
     if annotation.startswith("bool"):

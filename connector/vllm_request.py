@@ -1,16 +1,25 @@
-"""kvtier's block hashes of one vLLM request, for every tensor-parallel rank.
+"""One vLLM request as the scheduler side sees it: its state, and kvtier's block hashes of it
+for every tensor-parallel rank.
 
 The chain covers the request's token ids as they grow (prompt, then output tokens for blocks
 stored during decode); the LoRA name, multimodal inputs and ``cache_salt`` of the request
 enter as ``ExtraKeys``, so a salted or LoRA request shares nothing it should not.
+
+vLLM may also take tokens back: a streaming-input session drops the last sampled token and
+the block hashes over it when its next chunk arrives. The chain follows vLLM's own
+``request.block_hashes``: it remembers vLLM's hash of each block it hashed, keeps the longest
+prefix vLLM still agrees with, and hashes on from there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from kvtier.connector.vllm_lookup import Lookup
 from kvtier.connector.vllm_metadata import pack
-from kvtier.tiers.hashing import BlockHasher, ExtraKeys, MultiModalInput, Namespace
+from kvtier.tiers.hashing import BlockHash, ExtraKeys, MultiModalInput, hash_block_chain
+from kvtier.tiers.host import LowerHits
 
 
 def extra_keys(request) -> ExtraKeys:
@@ -24,43 +33,142 @@ def extra_keys(request) -> ExtraKeys:
 
 
 class RequestHashes:
-    """Per-rank chained hashes of a request's full blocks, extended on demand."""
+    """Per-rank chained hashes of a request's full blocks, as far as vLLM has hashed them.
 
-    __slots__ = ("_block_size", "_hashers", "_seeds")
+    ``seeds`` are the root parents, one per rank. ``hash_block_size`` is the granularity of
+    vLLM's ``request.block_hashes`` (it divides ``block_size``).
+    """
 
-    def __init__(self, request, namespaces: Sequence[Namespace], block_size: int):
-        extra = extra_keys(request)
+    __slots__ = ("_block_size", "_chains", "_cut", "_extra", "_marks", "_num_mm", "_per_block")
+
+    def __init__(
+        self,
+        request,
+        seeds: Sequence[BlockHash],
+        block_size: int,
+        hash_block_size: int | None = None,
+    ):
+        hash_block_size = hash_block_size or block_size
+        if block_size % hash_block_size:
+            raise ValueError(
+                f"vLLM hashes blocks of {hash_block_size} tokens, which does not divide "
+                f"kvtier's block of {block_size}"
+            )
         self._block_size = block_size
-        self._hashers = [BlockHasher(ns, block_size, extra) for ns in namespaces]
-        self._seeds = [ns.seed for ns in namespaces]
+        self._per_block = block_size // hash_block_size
+        self._chains: list[tuple[BlockHash, list[BlockHash]]] = [(seed, []) for seed in seeds]
+        self._marks: list[object] = []  # vLLM's hash of each block's last hash block
+        self._extra = extra_keys(request)
+        self._num_mm = len(request.mm_features or ())
+        self._cut: int | None = None
 
     def __len__(self) -> int:
-        return len(self._hashers[0].hashes)
+        return len(self._marks)
 
-    def extend_to(self, token_ids: Sequence[int], num_blocks: int) -> int:
-        """Hashes blocks up to ``num_blocks`` (as far as ``token_ids`` fill them); returns the
-        number of blocks hashed."""
+    def extend_to(self, request, num_blocks: int) -> int:
+        """Follows vLLM's hashes of ``request``, then hashes blocks up to ``num_blocks`` (as
+        far as vLLM has hashed them); returns the number of blocks hashed."""
+        self._follow(request.block_hashes)
         have = len(self)
-        end = min(num_blocks, len(token_ids) // self._block_size)
-        if end > have:
-            new = token_ids[have * self._block_size : end * self._block_size]
-            for hasher in self._hashers:
-                hasher.extend(new)
-        return len(self)
+        end = min(num_blocks, len(request.block_hashes) // self._per_block)
+        if end <= have:
+            return have
+        if len(request.mm_features or ()) != self._num_mm:  # a streamed chunk added inputs
+            self._extra = extra_keys(request)
+            self._num_mm = len(request.mm_features)
+        size = self._block_size
+        tokens = request.all_token_ids[have * size : end * size]
+        for seed, chain in self._chains:
+            parent = chain[-1] if chain else seed
+            chain.extend(hash_block_chain(parent, tokens, size, self._extra, have))
+        step = self._per_block
+        self._marks.extend(request.block_hashes[(i + 1) * step - 1] for i in range(have, end))
+        return end
 
-    def rank0(self, start: int, end: int) -> list[bytes]:
-        """Rank 0's hashes of blocks ``[start, end)`` (what the scheduler looks up)."""
-        return self._hashers[0].hashes[start:end]
+    def reseed(self, seeds: Sequence[BlockHash]) -> None:
+        """Starts the chains again from new root parents (every hash changes)."""
+        self._chains = [(seed, []) for seed in seeds]
+        self._truncate(0)
+
+    def take_cut(self) -> int | None:
+        """The fewest blocks the chain was cut back to since the last call (None: no cut)."""
+        cut, self._cut = self._cut, None
+        return cut
+
+    def per_rank(self, start: int, end: int) -> list[list[BlockHash]]:
+        """Every rank's hashes of blocks ``[start, end)``."""
+        return [chain[start:end] for _, chain in self._chains]
 
     def packed(self, start: int, end: int) -> tuple[bytes, ...]:
         """Per rank, the packed hashes of blocks ``[start, end)``."""
-        return tuple(pack(h.hashes[start:end]) for h in self._hashers)
+        return tuple(pack(chain[start:end]) for _, chain in self._chains)
 
     def packed_parents(self, start: int, end: int) -> tuple[bytes, ...]:
         """Per rank, the packed parent hash of each block in ``[start, end)``."""
         out = []
-        for hasher, seed in zip(self._hashers, self._seeds, strict=True):
-            chain = hasher.hashes
+        for seed, chain in self._chains:
             parents = chain[start - 1 : end - 1] if start > 0 else [seed, *chain[: end - 1]]
             out.append(pack(parents))
         return tuple(out)
+
+    def _follow(self, vllm_hashes: Sequence[object]) -> None:
+        """Cuts the chain back to the blocks whose vLLM hash is still the one it hashed."""
+        marks = self._marks
+        if not marks or self._agrees(vllm_hashes, len(marks) - 1):
+            return
+        # vLLM's hashes are chained too, so they agree with the marks on a prefix: find its end.
+        lo, hi = 0, len(marks) - 1  # marks[:lo] agree, marks[hi] does not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._agrees(vllm_hashes, mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        self._truncate(lo)
+
+    def _agrees(self, vllm_hashes: Sequence[object], block: int) -> bool:
+        index = (block + 1) * self._per_block - 1
+        return index < len(vllm_hashes) and vllm_hashes[index] == self._marks[block]
+
+    def _truncate(self, num_blocks: int) -> None:
+        for _, chain in self._chains:
+            del chain[num_blocks:]
+        del self._marks[num_blocks:]
+        self._cut = num_blocks if self._cut is None else min(self._cut, num_blocks)
+
+
+@dataclass(slots=True)
+class PlannedLoad:
+    """A planned load whose outcome is not known yet."""
+
+    start: int
+    """Index of its first block in the request."""
+    block_ids: list[int]
+    sync: bool
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What the scheduler side remembers of one request."""
+
+    request: object
+    hashes: RequestHashes
+    block_ids: list[int] = field(default_factory=list)
+    stored_blocks: int = 0
+    """Leading blocks already in kvtier or handed to the workers to store."""
+    scheduled: bool = False
+    """vLLM has scheduled it at least once (a later "new" scheduling resumes it)."""
+    running: bool = False
+    """It holds KV it computed since it was last admitted (not waiting, loading or preempted)."""
+    lookup: Lookup | None = None
+    offer: LowerHits | None = None
+    """The hit last returned to vLLM, of blocks from ``offer_start`` on."""
+    offer_start: int = 0
+    load: PlannedLoad | None = None
+    verify_end: int = 0
+    """Tokens vLLM must have processed before blocks computed over a sync load are stored."""
+    host_hit_blocks: int = 0
+    disk_hit_blocks: int = 0
+    stores_issued: bool = False
+    stale: bool = False
+    """It holds KV from before ``reset_cache``: none of it may be stored any more."""

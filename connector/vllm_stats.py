@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS: dict[str, str] = {
-    "lookup_tokens": "Prompt tokens looked up in kvtier beyond vLLM's own GPU hit",
+    "lookup_tokens": "Prompt tokens whose blocks kvtier was asked about (once per admission)",
     "host_hit_tokens": "Tokens loaded from kvtier's host tier",
     "disk_hit_tokens": "Tokens loaded from kvtier's disk tier",
     "daemon_failures": "kvtier daemon calls that failed (each counted as a miss)",

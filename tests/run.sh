@@ -30,7 +30,8 @@ echo 'certifi==2026.10.18' >"$overrides"
 "$venv/bin/uv" pip install -q --python "$venv/bin/python" --override "$overrides" \
     vllm==0.33.0 -e '.[test]'
 rm -f "$overrides"
-VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py
+VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py \
+    tests/test_vllm_scheduler.py
 
 venv=.venv-vllm-cpu
 [ -x "$venv/bin/python" ] || python -m venv "$venv"

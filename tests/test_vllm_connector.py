@@ -168,8 +168,15 @@ class Engine:
         self.scheduler.add_request(request)
         return request
 
-    def step(self) -> bool:
-        """One scheduler step and a fake forward pass; True if any token was scheduled."""
+    def step(self, wait_for_lookups: bool = True) -> bool:
+        """One scheduler step and a fake forward pass; True if any token was scheduled.
+
+        It first lets the daemon answer the connector's lookups in flight, so that the steps
+        a test takes do not depend on how fast the daemon answers; ``wait_for_lookups=False``
+        steps as vLLM does, never waiting.
+        """
+        if wait_for_lookups:
+            self.connector.scheduler.wait_for_lookups(timeout=60)
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         worker = self.worker

@@ -1,0 +1,70 @@
+"""Lookups of a request's blocks that never make vLLM's scheduler wait.
+
+A ``Lookup`` asks the daemon, for every tensor-parallel rank at once and without waiting,
+how many of blocks ``[start, end)`` of one request it holds. The scheduler keeps one per
+request and asks again only when the question changes (vLLM's own GPU hit moved ``start``,
+or the request's tokens moved ``end``); until the answers are in it tells vLLM to ask later.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+from kvtier.connector.client import DaemonClient
+from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.host import LowerHits
+
+
+@dataclass(slots=True, eq=False)
+class Lookup:
+    """The daemon's answers about blocks ``[start, end)`` of one request, one per rank."""
+
+    start: int
+    end: int
+    answers: list[Future[LowerHits]]
+
+    @classmethod
+    def ask(
+        cls, client: DaemonClient, per_rank: list[list[BlockHash]], start: int, end: int
+    ) -> Lookup:
+        """Asks about ``per_rank[r]``, rank r's hashes of blocks ``[start, end)``."""
+        return cls(start, end, [client.lookup_async(hashes) for hashes in per_rank])
+
+    def done(self) -> bool:
+        return all(answer.done() for answer in self.answers)
+
+    def hits(self) -> LowerHits:
+        """What every rank holds: the shortest rank's prefix, split by tier as rank 0 holds it
+        (vLLM counts each token once, whatever the number of ranks)."""
+        per_rank = [answer.result() for answer in self.answers]
+        total = min(hits.total for hits in per_rank)
+        host = min(per_rank[0].host, total)
+        return LowerHits(host=host, disk=total - host)
+
+
+class Lookups:
+    """The lookups still in flight, for counting and for tests that wait for the daemon."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending: set[Lookup] = set()
+
+    def add(self, lookup: Lookup) -> None:
+        self._pending.add(lookup)
+
+    def discard(self, lookup: Lookup | None) -> None:
+        self._pending.discard(lookup)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def in_flight(self) -> int:
+        self._pending = {lookup for lookup in self._pending if not lookup.done()}
+        return len(self._pending)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until every lookup in flight is answered (or ``timeout``); True if all are."""
+        answers = [answer for lookup in self._pending for answer in lookup.answers]
+        return not wait(answers, timeout=timeout).not_done
