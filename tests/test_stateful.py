@@ -76,7 +76,7 @@ class Model:
                 written.append(h)
             else:
                 self.dropped += 1
-        for h in written:
+        for h in reversed(written):  # a batch is committed tail first into the LRU
             self.busy.discard(h)
             self.host[h] = None
         self.spilled += len(written)
@@ -112,28 +112,40 @@ class Model:
                 lower.append("d")
             else:
                 break
+        # The lookup makes its host hits the most recently used, the prefix's head last.
+        looked_up = hashes[len(gpu) : len(gpu) + len(lower)]
+        for h in reversed([h for h, tier in zip(looked_up, lower, strict=True) if tier == "h"]):
+            self.host.move_to_end(h)
         for b in gpu:
             if self.ref[b] == 0:
                 self.free.remove(b)
             self.ref[b] += 1
         blocks, n = list(gpu), 0
         if lower and len(self.free) >= len(lower):
-            pinned = []
-            for h in hashes[len(gpu) : len(gpu) + len(lower)]:
-                if h in self.host:
-                    del self.host[h]
-                elif not self.take_slot():
-                    break
+            # The acquire pins every host hit first, then promotes the disk hits in order.
+            resident = [h for h in looked_up if h in self.host]
+            for h in resident:
+                del self.host[h]
                 self.busy.add(h)
+            pinned = []
+            for h in looked_up:
+                if h not in resident:
+                    if not self.take_slot():
+                        break
+                    self.busy.add(h)
                 pinned.append(h)
             n = len(pinned)
+            for h in resident:
+                if h not in pinned:  # beyond a failed promotion: unpinned again
+                    self.busy.discard(h)
+                    self.host[h] = None
             new = self.pop_free(n) if n else []
-            for h in pinned:
+            for h in reversed(pinned):  # released tail first
                 self.busy.discard(h)
                 self.host[h] = None
             self.cache(new, hashes[len(gpu) : len(gpu) + n])
             blocks += new
-        host_hits = min(lower.count("h") if n == len(lower) else n, n)
+        host_hits = min(lower.count("h"), n)
         computed = self.pop_free(len(hashes) - len(blocks))
         self.cache(computed, hashes[len(blocks) :])
         return blocks + computed, (len(gpu), host_hits, n - host_hits)
@@ -180,12 +192,18 @@ class TierMachine(RuleBasedStateMachine):
             disk_bytes=10_000 * LAYOUT.block_bytes,
             spill_ahead=self.spill_ahead,
         )
-        stack.lower._on_event = self._on_host_event
-        return stack
+        reserve = stack.lower.reserve
 
-    def _on_host_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
-        if kind == "stored":
-            self.host_stores[block_hash] = self.host_stores.get(block_hash, 0) + 1
+        def counted_reserve(hashes, metas=()):
+            """Counts each store the host tier took on (promotions from disk are not stores)."""
+            slots = reserve(hashes, metas)
+            for block_hash, slot in zip(hashes, slots, strict=True):
+                if slot >= 0:
+                    self.host_stores[block_hash] = self.host_stores.get(block_hash, 0) + 1
+            return slots
+
+        stack.lower.reserve = counted_reserve
+        return stack
 
     def teardown(self):
         self.stack.close(persist=False)
