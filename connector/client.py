@@ -138,6 +138,15 @@ class DaemonClient:
     def sessions_opened(self) -> int:
         return self._keeper.sessions_opened
 
+    @property
+    def chunk_blocks(self) -> int:
+        """Most blocks one Acquire asks for (``chunk_bytes`` worth)."""
+        return min(self._chunk_blocks, self._keeper.limits.max_hashes)
+
+    def acquire_room(self) -> int:
+        """How many more slot reads this session may hold now (its share of the slots)."""
+        return max(0, self._keeper.limits.max_acquired - self._ledger.acquired.total())
+
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Blocks until a session is open (or ``timeout``); True if one is."""
         return self._keeper.wait_connected(timeout)
@@ -250,10 +259,8 @@ class DaemonClient:
         session = self._usable(bool(hashes))
         if session is None:
             return acquired, sources
-        limits = self._keeper.limits
-        room = max(0, limits.max_acquired - self._ledger.acquired.total())
-        wanted = hashes[:room]
-        step = min(self._chunk_blocks, limits.max_hashes)
+        wanted = hashes[: self.acquire_room()]
+        step = self.chunk_blocks
         for start in range(0, len(wanted), step):
             chunk = wanted[start : start + step]
             call_id = next(self._call_ids)

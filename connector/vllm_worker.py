@@ -25,15 +25,16 @@ deadline and never raises for daemon trouble.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Collection
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
 from kvtier.connector.vllm_config import KVTierConfig
 from kvtier.connector.vllm_layout import kv_placement
+from kvtier.connector.vllm_loads import StreamedLoad
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm_stats import KVTierStats
 from kvtier.connector.vllm_stores import PendingStore, StoreQueue
@@ -43,16 +44,6 @@ from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.transfer import Transfer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class _AsyncLoad:
-    """An async load between its ``Acquire`` and the end of its copy."""
-
-    spec: LoadSpec
-    acquired: Future[list[int]]
-    transfer: Transfer | None = None
-    landed: bool = False
 
 
 class WorkerSide:
@@ -74,7 +65,7 @@ class WorkerSide:
         self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-acquire")
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-reserve")
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-commit")
-        self._async_loads: dict[str, _AsyncLoad] = {}
+        self._async_loads: dict[str, StreamedLoad] = {}
         self._deferred = StoreQueue(self.client.reserve, self._reserver)
         self._stores_in_flight: list[Transfer] = []
         self._storing: Counter[str] = Counter()
@@ -109,20 +100,23 @@ class WorkerSide:
         self.client.settle()
 
     def wait_for_loads(self, timeout: float | None = None) -> None:
-        """Blocks until every async load begun so far has acquired its slots and its copy has
-        landed; for an engine that has nothing else to run this step."""
-        wait([load.acquired for load in self._async_loads.values()], timeout=timeout)
-        for load in list(self._async_loads.values()):
-            if load.transfer is None and load.acquired.done():
-                self._copy_async(load)
-        if self.engine is not None:
-            self.engine.synchronize()
+        """Blocks until every async load begun so far has landed (or ``timeout``); for an
+        engine that has nothing else to run this step."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(load.landed for load in self._async_loads.values()):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            pending = [load.acquiring for load in self._async_loads.values() if load.acquiring]
+            wait(pending, timeout=left)
+            if self.engine is not None:
+                self.engine.synchronize()
+            self._advance_loads()
 
     def shutdown(self) -> None:
         """Lets every copy land, hands every slot back and closes the session."""
         for load in self._async_loads.values():
-            if load.transfer is None:
-                self._release(load.acquired.result())
+            load.abandon(self._release)
         self._async_loads.clear()
         self.drain()
         self._acquirer.shutdown(wait=True)
@@ -148,10 +142,9 @@ class WorkerSide:
             if spec.sync:
                 self._load_now(spec)
             else:
-                hashes = unpack(spec.hashes[self.rank])
-                self._async_loads[spec.req_id] = _AsyncLoad(
-                    spec, self._acquirer.submit(self.client.acquire, hashes)
-                )
+                load = StreamedLoad(spec, unpack(spec.hashes[self.rank]))
+                self._async_loads[spec.req_id] = load
+                self._advance(load)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Queues this step's stores; their copies start with the next step."""
@@ -162,10 +155,8 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) as of now; never blocks on a copy."""
         assert self.engine is not None, "register_kv_caches was not called"
-        for load in self._async_loads.values():
-            if load.transfer is None and load.acquired.done():
-                self._copy_async(load)
         self.engine.poll()
+        self._advance_loads()
         self._stores_in_flight = [t for t in self._stores_in_flight if not t.done()]
         recving = {req_id for req_id, load in self._async_loads.items() if load.landed}
         for req_id in recving:
@@ -198,43 +189,46 @@ class WorkerSide:
     def _load_now(self, spec: LoadSpec) -> None:
         hashes = unpack(spec.hashes[self.rank])
         slots = self.client.acquire(hashes)
-        transfer = self._copy_in(spec, slots, landed=None)
+        transfer = self._copy_in(spec, slots)
         if transfer is not None:
             transfer.order_before()  # this step's attention reads the blocks
 
-    def _copy_async(self, load: _AsyncLoad) -> None:
-        transfer = self._copy_in(load.spec, load.acquired.result(), landed=load)
-        if transfer is None:
-            load.landed = True
-        else:
-            load.transfer = transfer
+    def _advance_loads(self) -> None:
+        for load in self._async_loads.values():
+            self._advance(load)
 
-    def _copy_in(
-        self, spec: LoadSpec, slots: list[int], landed: _AsyncLoad | None
-    ) -> Transfer | None:
-        """Copies the acquired prefix of a load; the rest of its blocks are load errors."""
-        missing = spec.block_ids[len(slots) :]
-        if missing:
-            self._load_errors.update(missing)
-            self.stats.add("load_failed_blocks", len(missing))
-            log.info(
-                "kvtier: %d of %d blocks of %s not loadable; recomputing them",
-                len(missing),
-                len(spec.block_ids),
-                spec.req_id,
-            )
-        if not slots:
-            return None
-        n = len(slots)
-        self.stats.add("loaded_blocks", n)
-        self.stats.add("loaded_bytes", n * self.layout.block_bytes)
+    def _advance(self, load: StreamedLoad) -> None:
+        load.advance(
+            lambda hashes: self._acquirer.submit(self.client.acquire, hashes),
+            self._copy_slots,
+            self._failed,
+            self.client.acquire_room(),
+            self.client.chunk_blocks,
+        )
 
-        def done() -> None:
-            self.client.release(slots)  # sent without waiting: never behind a commit
-            if landed is not None:
-                landed.landed = True
+    def _copy_in(self, spec: LoadSpec, slots: list[int]) -> Transfer | None:
+        """Copies the acquired prefix of a (sync) load; the rest of its blocks are errors."""
+        self._failed(spec, spec.block_ids[len(slots) :])
+        return self._copy_slots(slots, spec.block_ids[: len(slots)]) if slots else None
 
-        return self.engine.load(slots, spec.block_ids[:n], callback=done)
+    def _copy_slots(self, slots: list[int], block_ids: list[int]) -> Transfer:
+        """Copies slots into vLLM's blocks; the slots are released once the copy read them."""
+        self.stats.add("loaded_blocks", len(slots))
+        self.stats.add("loaded_bytes", len(slots) * self.layout.block_bytes)
+        # sent without waiting once the copy has read them: never behind a commit
+        return self.engine.load(slots, block_ids, callback=lambda: self.client.release(slots))
+
+    def _failed(self, spec: LoadSpec, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        self._load_errors.update(block_ids)
+        self.stats.add("load_failed_blocks", len(block_ids))
+        log.info(
+            "kvtier: %d of %d blocks of %s not loadable; recomputing them",
+            len(block_ids),
+            len(spec.block_ids),
+            spec.req_id,
+        )
 
     def _release(self, slots: list[int]) -> None:
         if slots:

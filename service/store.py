@@ -22,6 +22,7 @@ from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.events import EventHub
 from kvtier.service.layout_store import LayoutStore
+from kvtier.tiers.disk_dir import TierDirectory
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,14 @@ class BlockStore:
         self.events = events
         self._lock = threading.Lock()
         self._layouts: dict[bytes, LayoutStore] = {}
-        if config.disk_bytes > 0 and config.disk_path.is_dir():
-            self._migrate_single_layout(config.disk_path)
+        # One daemon per data directory: a second one would hand out the same disk slots.
+        self._dir = TierDirectory(str(config.disk_path)) if config.disk_bytes > 0 else None
+        if self._dir is not None:
+            try:
+                self._migrate_single_layout(config.disk_path)
+            except BaseException:
+                self._dir.release()
+                raise
 
     def layouts(self) -> list[LayoutStore]:
         with self._lock:
@@ -71,6 +78,8 @@ class BlockStore:
             stores, self._layouts = list(self._layouts.values()), {}
         for store in stores:
             store.close()
+        if self._dir is not None:
+            self._dir.release()
 
     # ---- internals ----
 
@@ -138,7 +147,11 @@ class BlockStore:
         target = root / signature.hex()
         target.mkdir(mode=0o700, exist_ok=True)
         if (root / DISK_DIR).is_dir():
-            os.replace(root / DISK_DIR, target / DISK_DIR)
+            old = TierDirectory(str(root / DISK_DIR))  # never move a directory in use
+            try:
+                os.replace(root / DISK_DIR, target / DISK_DIR)
+            finally:
+                old.release()
         os.replace(namespace, target / NAMESPACE_FILE)
         log.info("moved the disk tier of layout %s into %s", signature.hex(), target)
 

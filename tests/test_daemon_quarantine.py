@@ -6,12 +6,12 @@ import asyncio
 import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 
 from kvtier.proto.contract import PROTOCOL_VERSION, pid_namespace
 from kvtier.service import daemon as daemon_module
-from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
@@ -36,21 +36,25 @@ def test_process_gone():
     assert not process_gone(0, ns)
 
 
+LAYOUT = b"s" * 16
+
+
 @pytest.fixture
-def daemon(tmp_path):
-    cfg = DaemonConfig(name="unit-quarantine", host_bytes=4 * BLOCK, disk_bytes=0)
-    arena = Arena("kvtier-unit-quarantine", cfg.host_bytes, directory=tmp_path)
+def daemon():
+    cfg = DaemonConfig(name=f"unit-{uuid.uuid4().hex[:8]}", host_bytes=4 * BLOCK, disk_bytes=0)
     loop = asyncio.new_event_loop()
-    d = Daemon(cfg, BlockStore(cfg, arena, EventHub(loop)))
+    d = Daemon(cfg, BlockStore(cfg, EventHub(loop)))
     yield d
     d.shutdown()
-    arena.close()
     loop.close()
 
 
 def lose_session(d: Daemon, pid: int, block_hash: bytes) -> None:
     """Opens a session for ``pid``, reserves one slot, then loses the keep-alive stream."""
-    sid = d.open("c", b"s" * 16, BLOCK, 16, PROTOCOL_VERSION, pid, pid_namespace()).session
+    opened = d.open(
+        "c", LAYOUT, BLOCK, 16, PROTOCOL_VERSION, client_pid=pid, client_pid_ns=pid_namespace()
+    )
+    sid = opened.session
     d.attach(sid.session_id)
     assert d.reserve(sid.session_id, [block_hash])[0] >= 0
     d.detach(sid.session_id)
@@ -60,7 +64,7 @@ def test_lost_live_client_slots_stay_held_until_quarantine_ends(daemon, monkeypa
     gone, live = b"g" * 16, b"l" * 16
     lose_session(daemon, dead_pid(), gone)
     lose_session(daemon, os.getpid(), live)
-    host = daemon.store.host
+    host = daemon.store.get(LAYOUT).host
     assert host.reserve([gone])[0] >= 0  # the dead client's slot came back at once
     assert host.reserve([live]) == [ALREADY_STORED]  # the live one's is still held
     daemon.reap()

@@ -92,6 +92,17 @@ def test_taken_stats_port_asked_for_is_a_clean_start_error(daemons):
     client.close()
 
 
+def test_a_second_daemon_on_the_same_data_directory_refuses_to_start(daemons):
+    """Issue #10 defect 5: two names, one --data-dir: both handed out the same disk slots."""
+    first = daemons().start()
+    second = daemons(extra=["--data-dir", str(first.root / "data")])
+    code = second.run_to_exit()
+    assert_failed_cleanly(second, code, "in use by process", str(first.proc.pid))
+    client = first.client()  # the first one is untouched
+    assert store(client, [block_hash("still", 0)]) == [block_hash("still", 0)]
+    client.close()
+
+
 def save_namespace(d: Daemon) -> None:
     data = d.root / "data"
     data.mkdir(parents=True, exist_ok=True)
