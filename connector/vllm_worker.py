@@ -100,8 +100,9 @@ class WorkerSide:
         self.client.settle()
 
     def wait_for_loads(self, timeout: float | None = None) -> None:
-        """Blocks until every async load begun so far has landed (or ``timeout``); for an
-        engine that has nothing else to run this step."""
+        """Blocks until every async load begun so far has landed and every deferred store has
+        its slots (or ``timeout``); for an engine that has nothing else to run this step."""
+        self._deferred.wait_reserved(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not all(load.landed for load in self._async_loads.values()):
             left = None if deadline is None else deadline - time.monotonic()

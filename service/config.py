@@ -89,7 +89,7 @@ class DaemonConfig:
     lease_s: float = 30.0
     max_hashes: int = contract.MAX_HASHES
     grace_s: float = 5.0
-    flush_interval_s: float = 0.2
+    flush_interval_s: float = 0.02
     """Most time a committed block waits before the disk writer makes it durable."""
     max_layouts: int = 8
     """Layouts (models) served at once; each has its own host_bytes arena and disk_bytes."""
