@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -51,6 +52,10 @@ _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 """Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
 RESERVE_META_BYTES = 16 << 20
 """Most engine metadata bytes sent in one Reserve (the daemon allows twice that)."""
+REPAIR_TIMEOUT_S = 30.0
+"""Deadline of a call sent without waiting (release, abort, cancel): long, since giving up
+the session is the only remedy if it fails, and a daemon frozen for a while should not cost
+the session. Nothing waits on it while the breaker is open."""
 
 
 class DaemonClient:
@@ -184,10 +189,9 @@ class DaemonClient:
     ) -> list[int]:
         """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``metas`` (one per hash) is
         the engine's identity of each block, kept with it and echoed in block events."""
-        self.settle()
         slots = [NO_SPACE] * len(hashes)
         session = self._usable(bool(hashes))
-        if session is None:
+        if session is None or not self.settle(self.timeout_s):
             return slots
         limits = self._keeper.limits
         room = max(0, limits.max_reserved - len(self._ledger.reserved))
@@ -253,11 +257,10 @@ class DaemonClient:
     def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
         """Slots holding the held prefix of ``hashes`` (within this session's share of the
         slots), and which tier each came from; give them back with ``release``."""
-        self.settle()
         acquired: list[int] = []
         sources = LowerHits()
         session = self._usable(bool(hashes))
-        if session is None:
+        if session is None or not self.settle(self.timeout_s):
             return acquired, sources
         wanted = hashes[: self.acquire_room()]
         step = self.chunk_blocks
@@ -286,17 +289,26 @@ class DaemonClient:
     def release(self, slots: Sequence[int]) -> None:
         self._finish("Release", slots, self._ledger.take_acquired)
 
-    def settle(self) -> None:
-        """Waits until the daemon has answered every call sent without waiting.
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits until the daemon has answered every call sent without waiting; False (and
+        the breaker opened) if it has not within ``timeout``.
 
-        Reserve and acquire call it first, so that they see the room releases and aborts
-        made; failures are handled by those calls' own callbacks.
+        Reserve and acquire call it first (with the call deadline), so that they see the room
+        releases and aborts made; failures are handled by those calls' own callbacks.
         """
         with self._lock:
-            pending, self._unsettled = self._unsettled, []
+            pending = list(self._unsettled)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for future in pending:
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                future.result()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(timeout=left)
+            except grpc.FutureTimeoutError:
+                self.breaker.trip("releases or aborts unanswered")
+                return False
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                pass  # the call's own callback handles its failure
+        return True
 
     # ---- bytes through gRPC, for a client that cannot map the arena ----
 
@@ -419,7 +431,7 @@ class DaemonClient:
         may be committed already (an abort repairing a commit), which is fine."""
         request = pb.SlotsRequest(session_id=session, slots=slots)
         future = getattr(self._stub, method).future(
-            request, timeout=self.timeout_s, metadata=self._metadata
+            request, timeout=max(REPAIR_TIMEOUT_S, self.timeout_s), metadata=self._metadata
         )
         with self._lock:
             self._unsettled.append(future)
@@ -445,7 +457,7 @@ class DaemonClient:
         def cancel() -> None:
             request = pb.CancelRequest(session_id=session, call_id=call_id)
             future = self._stub.Cancel.future(
-                request, timeout=self.timeout_s, metadata=self._metadata
+                request, timeout=max(REPAIR_TIMEOUT_S, self.timeout_s), metadata=self._metadata
             )
             with self._lock:
                 self._unsettled.append(future)
