@@ -148,6 +148,12 @@ class DaemonClient:
         """Most blocks one Acquire asks for (``chunk_bytes`` worth)."""
         return min(self._chunk_blocks, self._keeper.limits.max_hashes)
 
+    @property
+    def lookup_hold_s(self) -> float:
+        """How long the daemon keeps a lookup's host hits for this client's acquire: an
+        answer older than that may have gone stale (0: not held at all)."""
+        return self._keeper.limits.lookup_hold_s
+
     def acquire_room(self) -> int:
         """How many more slot reads this session may hold now (its share of the slots)."""
         return max(0, self._keeper.limits.max_acquired - self._ledger.acquired.total())

@@ -36,6 +36,8 @@ class Limits:
     max_hashes: int = contract.MAX_HASHES
     max_reserved: int = 1 << 30
     max_acquired: int = 1 << 30
+    lookup_hold_s: float = 0.0
+    """How long the daemon holds a lookup's host hits for this session's acquire."""
 
 
 class SlotLedger:
@@ -127,15 +129,17 @@ class SessionKeeper:
             session, self.session = self.session, None
             keepalive = self._keepalive
             self._ledger.changed.notify_all()
-        if keepalive is not None:
-            keepalive.cancel()
         if session is not None:
+            # Close before the stream ends: a session that merely lost its stream keeps its
+            # slots quarantined for a while, one closed gives them back at once.
             with contextlib.suppress(grpc.RpcError):
                 self._stub.Close(
                     pb.SessionRequest(session_id=session),
                     timeout=self._timeout_s,
                     metadata=self._metadata,
                 )
+        if keepalive is not None:
+            keepalive.cancel()
         self._thread.join()
 
     def _maintain(self) -> None:
@@ -224,6 +228,7 @@ class SessionKeeper:
                 opened.max_hashes or contract.MAX_HASHES,
                 opened.max_reserved or Limits.max_reserved,
                 opened.max_acquired or Limits.max_acquired,
+                opened.lookup_hold_ms / 1000,
             )
             self.sessions_opened += 1
             self._ledger.changed.notify_all()

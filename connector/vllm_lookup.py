@@ -8,8 +8,9 @@ or the request's tokens moved ``end``); until the answers are in it tells vLLM t
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.connector.client import DaemonClient
 from kvtier.tiers.hashing import BlockHash
@@ -23,6 +24,7 @@ class Lookup:
     start: int
     end: int
     answers: list[Future[LowerHits]]
+    asked_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def ask(
@@ -30,6 +32,11 @@ class Lookup:
     ) -> Lookup:
         """Asks about ``per_rank[r]``, rank r's hashes of blocks ``[start, end)``."""
         return cls(start, end, [client.lookup_async(hashes) for hashes in per_rank])
+
+    def stale(self, hold_s: float) -> bool:
+        """Whether the answer is older than half the daemon holds a lookup's host hits: the
+        daemon may have let them go, so ask again rather than promise them to vLLM."""
+        return hold_s > 0 and self.done() and time.monotonic() - self.asked_at > hold_s / 2
 
     def done(self) -> bool:
         return all(answer.done() for answer in self.answers)
@@ -39,8 +46,10 @@ class Lookup:
         (vLLM counts each token once, whatever the number of ranks)."""
         per_rank = [answer.result() for answer in self.answers]
         total = min(hits.total for hits in per_rank)
-        host = min(per_rank[0].host, total)
-        return LowerHits(host=host, disk=total - host)
+        first = per_rank[0]
+        host = min(first.host, total)
+        disk = min(first.disk, total - host)
+        return LowerHits(host=host, disk=disk, remote=total - host - disk)
 
 
 class Lookups:

@@ -105,7 +105,11 @@ class SchedulerSide:
     def _lookup(self, state: RequestState, start: int, end: int) -> Lookup:
         """The lookup of blocks ``[start, end)``: the one asked before, or a new one."""
         lookup = state.lookup
-        if lookup is None or (lookup.start, lookup.end) != (start, end):
+        if (
+            lookup is None
+            or (lookup.start, lookup.end) != (start, end)
+            or lookup.stale(self.client.lookup_hold_s)
+        ):
             self._lookups.discard(lookup)
             lookup = Lookup.ask(self.client, state.hashes.per_rank(start, end), start, end)
             self._lookups.add(lookup)
@@ -167,9 +171,11 @@ class SchedulerSide:
         if state.stored_blocks >= start:
             state.stored_blocks = max(state.stored_blocks, start + num)
         state.host_hit_blocks = min(state.offer.host, num)
-        state.disk_hit_blocks = num - state.host_hit_blocks
+        state.disk_hit_blocks = min(state.offer.disk, num - state.host_hit_blocks)
+        state.remote_hit_blocks = num - state.host_hit_blocks - state.disk_hit_blocks
         self.stats.add("host_hit_tokens", state.host_hit_blocks * self.block_size)
         self.stats.add("disk_hit_tokens", state.disk_hit_blocks * self.block_size)
+        self.stats.add("remote_hit_tokens", state.remote_hit_blocks * self.block_size)
         # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
         self._lookups.discard(state.lookup)
         state.lookup, state.offer = None, None
@@ -182,6 +188,8 @@ class SchedulerSide:
         split = {
             CacheHitSource.HOST: state.host_hit_blocks * self.block_size,
             CacheHitSource.DISK: state.disk_hit_blocks * self.block_size,
+            # vLLM names no remote-store source; its "uninstrumented or remote store" one
+            CacheHitSource.EXTERNAL_UNSPECIFIED: state.remote_hit_blocks * self.block_size,
         }
         if sum(split.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}

@@ -159,6 +159,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             max_hashes=self.max,
             max_reserved=opened.max_reserved,
             max_acquired=opened.max_acquired,
+            lookup_hold_ms=int(self.daemon.config.lookup_hold_s * 1000),
         )
 
     @_unary

@@ -63,6 +63,8 @@ class Session:
     """Keep-alive streams open; a session with one never lapses."""
     client_pid: int = 0
     client_pid_ns: int = 0
+    holds: dict[bytes, tuple[int, float]] = field(default_factory=dict)
+    """Host hits a lookup answered, held (slot pinned) until the acquire or the deadline."""
     running: set[int] = field(default_factory=set)
     recent: OrderedDict[int, tuple[str, list[int]]] = field(default_factory=OrderedDict)
     cancelled: OrderedDict[int, None] = field(default_factory=OrderedDict)
@@ -77,6 +79,9 @@ class Leftovers:
     acquired: list[int]
     client_pid: int = 0
     client_pid_ns: int = 0
+    held: list[int] = field(default_factory=list)
+    """Host hits its lookups held: no copy of the client's reads them, so they come back at
+    once even when the rest is quarantined."""
 
 
 class SessionTable:
@@ -219,6 +224,50 @@ class SessionTable:
                 session.acquired = +session.acquired
             return kind, back
 
+    # ---- what lookups hold for the acquire that follows ----
+
+    def add_holds(
+        self, session_id: str, pinned: Sequence[tuple[bytes, int]], until: float, limit: int
+    ) -> list[int]:
+        """Keeps ``pinned`` host hits (hash, slot) for the session until ``until``; returns the
+        slots NOT kept, which the caller unpins: held already (the hold is renewed), beyond
+        ``limit`` slots held and acquired, or the session gone."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return [slot for _, slot in pinned]
+            back: list[int] = []
+            room = limit - len(session.holds) - session.acquired.total()
+            for block_hash, slot in pinned:
+                held = session.holds.get(block_hash)
+                if held is not None:
+                    session.holds[block_hash] = (held[0], until)
+                    back.append(slot)
+                elif room > 0:
+                    session.holds[block_hash] = (slot, until)
+                    room -= 1
+                else:
+                    back.append(slot)
+            return back
+
+    def take_holds(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
+        """Ends the holds on ``hashes`` (their acquire has pinned them); returns the slots."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or not session.holds:
+                return []
+            return [session.holds.pop(h)[0] for h in hashes if h in session.holds]
+
+    def expire_holds(self, now: float) -> list[tuple[bytes, list[int]]]:
+        """Ends every hold past its deadline; returns (layout, slots) to unpin."""
+        expired: list[tuple[bytes, list[int]]] = []
+        with self._lock:
+            for session in self._sessions.values():
+                late = [h for h, (_, until) in session.holds.items() if until <= now]
+                if late:
+                    expired.append((session.layout, [session.holds.pop(h)[0] for h in late]))
+        return expired
+
     # ---- slot ownership ----
 
     def take_reserved(self, session_id: str, slots: Sequence[int], peer: str = "") -> Session:
@@ -246,13 +295,15 @@ class SessionTable:
                     del session.acquired[slot]
             return session
 
-    def held(self, layout: bytes | None = None) -> tuple[int, int, int]:
-        """(sessions, reserved, acquired) slot references held, of one layout or all."""
+    def held(self, layout: bytes | None = None) -> tuple[int, int, int, int]:
+        """(sessions, reserved, acquired, held by lookups) slot references, of one layout or
+        all."""
         with self._lock:
             mine = [s for s in self._sessions.values() if layout is None or s.layout == layout]
             reserved = sum(len(s.reserved) for s in mine)
             acquired = sum(s.acquired.total() for s in mine)
-        return len(mine), reserved, acquired
+            holds = sum(len(s.holds) for s in mine)
+        return len(mine), reserved, acquired, holds
 
     def _renew(self, session_id: str, peer: str) -> Session:
         session = self._sessions.get(session_id)
@@ -271,4 +322,5 @@ def _leftovers(session: Session) -> Leftovers:
         list(session.acquired.elements()),
         session.client_pid,
         session.client_pid_ns,
+        [slot for slot, _ in session.holds.values()],
     )

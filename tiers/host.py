@@ -102,18 +102,33 @@ class HostTier:
 
         The host and disk part is one consistent walk under the lock; what neither holds is
         asked of the remote tier in one batched call, outside the lock (it is a network call).
+        The host hits become the most recently used (the prefix's head last), so that other
+        promotions meanwhile evict colder blocks and the acquire that follows finds here what
+        this answer says is here.
         """
+        return self._lookup(hashes, hold=False)[0]
+
+    def lookup_holding(
+        self, hashes: Sequence[BlockHash]
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
+        """``lookup``, and its host hits pinned (as by ``acquire``) in the same critical
+        section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
+        return self._lookup(hashes, hold=True)
+
+    def _lookup(
+        self, hashes: Sequence[BlockHash], hold: bool
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
         for h in hashes:
             check_hash(h)
         hits = LowerHits()
         pos, n = 0, len(hashes)
-        resident: list[int] = []
+        resident: list[tuple[BlockHash, int]] = []
         with self._lock:
             table = self._slots
             while pos < n:
                 slot = table.ready_slot(hashes[pos])
                 if slot is not None:
-                    resident.append(slot)
+                    resident.append((hashes[pos], slot))
                     pos += 1
                     continue
                 run = self.lower.lookup_prefix(hashes[pos:]) if self.lower else 0
@@ -122,19 +137,19 @@ class HostTier:
                 for h in hashes[pos : pos + run]:
                     slot = table.ready_slot(h)
                     if slot is not None:
-                        resident.append(slot)
+                        resident.append((h, slot))
                     else:
                         hits.disk += 1
                 pos += run
-            # An answer is followed by an acquire: make these the most recently used (the
-            # prefix's head last), so that other promotions meanwhile evict colder blocks and
-            # the acquire finds here what this answer says is here.
-            for slot in reversed(resident):
-                table.touch(slot)
+            for _, slot in reversed(resident):
+                if hold:
+                    table.pin(slot)
+                else:
+                    table.touch(slot)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
-        return hits
+        return hits, resident if hold else []
 
     @property
     def writing_behind(self) -> int:
