@@ -16,7 +16,7 @@ TIMEOUT_S = 0.5
 def daemon():
     d = Daemon(host_bytes=64 * BLOCK_BYTES).start()
     yield d
-    if d.proc is not None and d.proc.wait_until() is None:
+    if d.proc is not None and d.proc.poll() is None:
         d.proc.send_signal(signal.SIGCONT)
     d.cleanup()
 
