@@ -66,7 +66,9 @@ class DaemonClient:
     listener requires. ``timeout_s`` bounds every call; an acquire of ``n`` bytes may take
     ``n / (load_gbps * 1e9)`` seconds more (the daemon may read them from disk), and goes in
     chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
-    a client that only looks up (a scheduler process): ``slab`` then stays empty.
+    a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
+    one engine name the same ``engine_group``: the host hits one's lookup holds are then
+    handed over to another's acquire.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class DaemonClient:
         load_gbps: float = 0.5,
         chunk_bytes: int = 256 << 20,
         map_arena: bool = True,
+        engine_group: str = "",
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -120,6 +123,7 @@ class DaemonClient:
             block_bytes=block_bytes,
             block_tokens=block_tokens,
             protocol_version=contract.PROTOCOL_VERSION,
+            engine_group=engine_group,
             **local,
         )
         self._keeper = SessionKeeper(
@@ -131,6 +135,7 @@ class DaemonClient:
             target=self.target,
             metadata=self._metadata,
             timeout_s=timeout_s,
+            on_open=self.breaker.close,
         )
 
     # ---- state ----

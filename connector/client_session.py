@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +73,8 @@ class SlotLedger:
 
 
 class SessionKeeper:
-    """Holds one session at a time on ``stub`` for ``request``'s layout."""
+    """Holds one session at a time on ``stub`` for ``request``'s layout; ``on_open`` runs
+    each time one opens."""
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class SessionKeeper:
         target: str,
         metadata,
         timeout_s: float,
+        on_open: Callable[[], None] = lambda: None,
     ):
         self._stub = stub
         self._request = request
@@ -94,6 +97,7 @@ class SessionKeeper:
         self._target = target
         self._metadata = metadata
         self._timeout_s = timeout_s
+        self._on_open = on_open
         self.session: str | None = None
         self.limits = Limits()
         self.daemon_id: str | None = None
@@ -218,6 +222,7 @@ class SessionKeeper:
         keepalive = self._stub.KeepAlive(
             pb.SessionRequest(session_id=opened.session_id), metadata=self._metadata
         )
+        self._on_open()  # before the session is seen: its first call finds the breaker closed
         with self._lock:
             if self._closing.is_set():
                 keepalive.cancel()

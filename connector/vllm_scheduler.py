@@ -50,6 +50,7 @@ class SchedulerSide:
         model_id: str,
         tp_world: int,
         hash_block_size: int | None = None,
+        engine_group: str = "",
     ):
         self.config = config
         self.block_size = layout.block_size
@@ -64,7 +65,9 @@ class SchedulerSide:
         ]
         self._base_seeds = [ns.seed for ns in namespaces]
         self._seeds: list[BlockHash] = list(self._base_seeds)
-        self.client = config.client(layout, "vllm-scheduler", map_arena=False)
+        self.client = config.client(
+            layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
+        )
         if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
             log.warning(
                 "kvtier daemon %s not reachable yet; lookups miss until it is", config.target()

@@ -49,12 +49,19 @@ log = logging.getLogger(__name__)
 class WorkerSide:
     """Moves blocks for one worker (one tensor-parallel rank)."""
 
-    def __init__(self, config: KVTierConfig, layout: KVLayout, layer_names: list[str], rank: int):
+    def __init__(
+        self,
+        config: KVTierConfig,
+        layout: KVLayout,
+        layer_names: list[str],
+        rank: int,
+        engine_group: str = "",
+    ):
         self.config = config
         self.layout = layout
         self.layer_names = layer_names
         self.rank = rank
-        self.client = config.client(layout, f"vllm-worker-{rank}")
+        self.client = config.client(layout, f"vllm-worker-{rank}", engine_group=engine_group)
         if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
             log.warning(
                 "kvtier daemon %s not reachable yet; loads miss until it is", config.target()

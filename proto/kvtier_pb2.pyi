@@ -17,7 +17,7 @@ ALREADY_STORED: SlotStatus
 NO_SPACE: SlotStatus
 
 class OpenRequest(_message.Message):
-    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns")
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class OpenRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_NS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GROUP_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout_signature: bytes
     block_bytes: int
@@ -32,7 +33,8 @@ class OpenRequest(_message.Message):
     protocol_version: int
     client_pid: int
     client_pid_ns: int
-    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ...) -> None: ...
+    engine_group: str
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms")

@@ -66,6 +66,7 @@ class Daemon:
         peer: str = "",
         client_pid: int = 0,
         client_pid_ns: int = 0,
+        engine_group: str = "",
     ) -> Opened:
         """Blocking: the first Open of a layout creates its arena and opens its disk tier."""
         if protocol_version != PROTOCOL_VERSION:
@@ -84,6 +85,7 @@ class Daemon:
             peer=peer,
             client_pid=client_pid,
             client_pid_ns=client_pid_ns,
+            engine_group=engine_group,
         )
         log.info(
             "session %s opened by %r for layout %s",

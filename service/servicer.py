@@ -145,6 +145,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 peer=_peer(context),
                 client_pid=request.client_pid,
                 client_pid_ns=request.client_pid_ns,
+                engine_group=request.engine_group[:128],
             )
         )
         arena = opened.store.arena

@@ -73,3 +73,23 @@ def test_a_late_acquire_chunk_fails_that_chunk_only(daemon):
     assert client.sessions_opened == 1  # the session went on throughout
     assert load(client, hashes) == hashes
     client.close()
+
+
+def test_a_new_session_closes_the_breaker(daemon):
+    """A restarted daemon is used from the session that reattaches the client, not from the
+    breaker's next probe (which, here, never succeeds)."""
+    client = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("restart", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+    client.breaker._probe = lambda: False
+    daemon.kill()
+    wait_until(lambda: not client.connected, "the session to be lost")
+    assert client.lookup(hashes).total == 0
+    client.breaker.trip("the daemon is gone")
+    assert client.breaker.is_open
+    daemon.start()
+    wait_until(lambda: client.connected, "the client to reattach")
+    assert not client.breaker.is_open
+    assert client.lookup(hashes).total == len(hashes)  # committed before the kill, on disk
+    client.close()

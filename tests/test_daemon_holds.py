@@ -71,3 +71,49 @@ def test_a_hold_ends_at_its_deadline_and_with_the_session(daemon):
     assert fourth.lookup(again).host == 0
     assert load(fourth, again) == again  # from disk, exact
     fourth.close()
+
+
+def test_an_acquire_ends_the_holds_of_its_engine_only(daemon):
+    """The engine's scheduler looks up and its worker acquires: the worker's acquire ends the
+    scheduler's holds (else they would pin host slots the disk hits need until the deadline),
+    while another engine's acquire of the same blocks leaves them held."""
+    scheduler = daemon.client(client_name="scheduler", engine_group="engine-a")
+    worker = daemon.client(client_name="worker", engine_group="engine-a")
+    stranger = daemon.client(client_name="stranger", engine_group="engine-b")
+    prefix = [block_hash("group", i) for i in range(8)]
+    assert store(worker, prefix) == prefix
+    assert scheduler.lookup(prefix).host == len(prefix)
+    assert daemon.stats().layouts[0].held_slots == len(prefix)
+
+    slots = stranger.acquire(prefix)
+    assert len(slots) == len(prefix)
+    stranger.release(slots)
+    assert stranger.settle(timeout=30)
+    assert daemon.stats().layouts[0].held_slots == len(prefix)
+
+    slots = worker.acquire(prefix[:5])
+    assert len(slots) == 5
+    assert daemon.stats().layouts[0].held_slots == len(prefix) - 5
+    worker.release(slots)
+    for client in (scheduler, worker, stranger):
+        client.close()
+
+
+def test_two_lookups_of_a_prefix_hold_it_for_two_acquires(daemon):
+    """Two requests sharing a prefix are both told it is in the host tier: the first one's
+    acquire must leave it held for the second's."""
+    scheduler = daemon.client(client_name="scheduler", engine_group="engine")
+    worker = daemon.client(client_name="worker", engine_group="engine")
+    prefix = [block_hash("shared", i) for i in range(6)]
+    assert store(worker, prefix) == prefix
+    assert scheduler.lookup(prefix).host == len(prefix)
+    assert scheduler.lookup(prefix[:4]).host == 4  # the second request's shorter prompt
+    first = worker.acquire(prefix)
+    worker.release(first)
+    assert worker.settle(timeout=30)
+    assert daemon.stats().layouts[0].held_slots == 4
+    second = worker.acquire(prefix[:4])
+    worker.release(second)
+    assert daemon.stats().layouts[0].held_slots == 0
+    scheduler.close()
+    worker.close()
