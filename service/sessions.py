@@ -294,8 +294,7 @@ class SessionTable:
         return [
             s
             for s in self._sessions.values()
-            if s is caller
-            or (s.engine_group == caller.engine_group and s.layout == caller.layout)
+            if s is caller or (s.engine_group == caller.engine_group and s.layout == caller.layout)
         ]
 
     def expire_holds(self, now: float) -> list[tuple[bytes, list[int]]]:

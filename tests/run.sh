@@ -31,7 +31,7 @@ echo 'certifi==2026.10.18' >"$overrides"
     vllm==0.33.0 -e '.[test]'
 rm -f "$overrides"
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py \
-    tests/test_vllm_scheduler.py
+    tests/test_vllm_scheduler.py tests/test_vllm_loads.py
 
 venv=.venv-vllm-cpu
 [ -x "$venv/bin/python" ] || python -m venv "$venv"
