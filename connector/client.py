@@ -16,12 +16,10 @@ session gone) gives the session up; ``SessionKeeper`` then opens a new one.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -30,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.arena import ArenaView
 from kvtier.connector.circuit import CircuitBreaker
+from kvtier.connector.client_later import LaterCalls
 from kvtier.connector.client_session import SessionKeeper, SlotLedger
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
@@ -52,10 +51,6 @@ _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 """Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
 RESERVE_META_BYTES = 16 << 20
 """Most engine metadata bytes sent in one Reserve (the daemon allows twice that)."""
-REPAIR_TIMEOUT_S = 30.0
-"""Deadline of a call sent without waiting (release, abort, cancel): long, since giving up
-the session is the only remedy if it fails, and a daemon frozen for a while should not cost
-the session. Nothing waits on it while the breaker is open."""
 
 
 class DaemonClient:
@@ -108,7 +103,6 @@ class DaemonClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
-        self._unsettled: list[grpc.Future] = []
         self._call_ids = itertools.count(1)
         self.breaker = CircuitBreaker(self._probe, self.target)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
@@ -136,6 +130,15 @@ class DaemonClient:
             metadata=self._metadata,
             timeout_s=timeout_s,
             on_open=self.breaker.close,
+        )
+        self._later = LaterCalls(
+            self._stub,
+            self._lock,
+            self.breaker,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+            failed=self._failed,
+            give_up=self._keeper.give_up,
         )
 
     # ---- state ----
@@ -217,7 +220,8 @@ class DaemonClient:
             try:
                 reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                self._failed("Reserve", exc, session, repair=self._canceller(session, call_id))
+                repair = self._later.canceller(session, call_id)
+                self._failed("Reserve", exc, session, repair=repair)
                 break
             with self._lock:
                 if self._keeper.session != session:
@@ -238,7 +242,7 @@ class DaemonClient:
             session = self._keeper.session
         if session is None or not self.breaker.allow():
             if session is not None:
-                self._send_later("Abort", session, slots, tolerate_gone=True)
+                self._later.send("Abort", session, slots, tolerate_gone=True)
             self.failures += 1
             return False
         step = self._keeper.limits.max_hashes
@@ -253,7 +257,7 @@ class DaemonClient:
                 def abort_rest(rest=rest) -> None:
                     # Each chunk committed whole or not at all: abort them one by one.
                     for i in range(0, len(rest), step):
-                        self._send_later("Abort", session, rest[i : i + step], tolerate_gone=True)
+                        self._later.send("Abort", session, rest[i : i + step], tolerate_gone=True)
 
                 self._failed("Commit", exc, session, repair=abort_rest)
                 return False
@@ -283,7 +287,8 @@ class DaemonClient:
             try:
                 reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
             except grpc.RpcError as exc:
-                self._failed("Acquire", exc, session, repair=self._canceller(session, call_id))
+                repair = self._later.canceller(session, call_id)
+                self._failed("Acquire", exc, session, repair=repair)
                 break
             with self._lock:
                 if self._keeper.session != session:
@@ -302,24 +307,9 @@ class DaemonClient:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Waits until the daemon has answered every call sent without waiting; False (and
-        the breaker opened) if it has not within ``timeout``.
-
-        Reserve and acquire call it first (with the call deadline), so that they see the room
-        releases and aborts made; failures are handled by those calls' own callbacks.
-        """
-        with self._lock:
-            pending = list(self._unsettled)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for future in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                future.result(timeout=left)
-            except grpc.FutureTimeoutError:
-                self.breaker.trip("releases or aborts unanswered")
-                return False
-            except (grpc.RpcError, grpc.FutureCancelledError):
-                pass  # the call's own callback handles its failure
-        return True
+        the breaker opened) if it has not within ``timeout``. Reserve and acquire call it
+        first (with the call deadline), so that they see the room releases and aborts made."""
+        return self._later.settle(timeout)
 
     # ---- bytes through gRPC, for a client that cannot map the arena ----
 
@@ -432,57 +422,7 @@ class DaemonClient:
         if session is not None:
             step = self._keeper.limits.max_hashes
             for start in range(0, len(slots), step):
-                self._send_later(method, session, slots[start : start + step])
-
-    def _send_later(
-        self, method: str, session: str, slots: Sequence[int], tolerate_gone: bool = False
-    ) -> None:
-        """Sends a Release or Abort without waiting for it; a failure gives the session up,
-        since the daemon's view of these slots is then unknown. ``tolerate_gone``: the slots
-        may be committed already (an abort repairing a commit), which is fine."""
-        request = pb.SlotsRequest(session_id=session, slots=slots)
-        future = getattr(self._stub, method).future(
-            request, timeout=max(REPAIR_TIMEOUT_S, self.timeout_s), metadata=self._metadata
-        )
-        with self._lock:
-            self._unsettled.append(future)
-
-        def settled(future: grpc.Future) -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._unsettled.remove(future)
-            if future.cancelled():
-                return
-            exc = future.exception()
-            if exc is None:
-                return
-            if tolerate_gone and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                return
-            self._failed(method, exc, session)
-            self._keeper.give_up(session, f"{method} failed ({exc.code().name})")
-
-        future.add_done_callback(settled)
-
-    def _canceller(self, session: str, call_id: int) -> Callable[[], None]:
-        """A repair for a Reserve or Acquire that failed: cancel it on the daemon."""
-
-        def cancel() -> None:
-            request = pb.CancelRequest(session_id=session, call_id=call_id)
-            future = self._stub.Cancel.future(
-                request, timeout=max(REPAIR_TIMEOUT_S, self.timeout_s), metadata=self._metadata
-            )
-            with self._lock:
-                self._unsettled.append(future)
-
-            def settled(future: grpc.Future) -> None:
-                with self._lock, contextlib.suppress(ValueError):
-                    self._unsettled.remove(future)
-                if not future.cancelled() and future.exception() is not None:
-                    code = future.exception().code().name
-                    self._keeper.give_up(session, f"Cancel failed ({code})")
-
-            future.add_done_callback(settled)
-
-        return cancel
+                self._later.send(method, session, slots[start : start + step])
 
     def _failed(
         self,
