@@ -6,8 +6,9 @@ at most its timeout. Each route's breaker counts consecutive failed calls (error
 timeouts alike); at ``failures_to_open`` it opens and the route's keys are misses at once, with
 no call made. A probe thread pings every open route each ``probe_interval_s`` (on the route's
 threads, within the lookup deadline) and closes the breaker of one that answers in time; a
-route the backend says is gone (the cluster moved its slots elsewhere) is forgotten. A call that timed out may still be running: ``Borrow`` keeps it off
-the caller's buffers from then on.
+route the backend says is gone (the cluster moved its slots elsewhere) is forgotten. A call
+that timed out may still be running: ``Borrow`` keeps it off the caller's buffers from then
+on.
 """
 
 from __future__ import annotations
