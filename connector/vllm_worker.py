@@ -206,11 +206,20 @@ class WorkerSide:
             self._advance(load)
 
     def _advance(self, load: StreamedLoad) -> None:
+        # The room the acquires still on their way will take: else two loads advanced in
+        # one step would both ask for the same room, and the later be answered short (its
+        # blocks recomputed). Summed before the room is read, so that an acquire answered
+        # in between is counted twice (asks less) rather than not at all.
+        asking = sum(
+            other.asked
+            for other in self._async_loads.values()
+            if other.acquiring is not None and not other.acquiring.done()
+        )
         load.advance(
             lambda hashes: self._acquirer.submit(self.client.acquire, hashes),
             self._copy_slots,
             self._failed,
-            self.client.acquire_room(),
+            self.client.acquire_room() - asking,
             self.client.chunk_blocks,
         )
 

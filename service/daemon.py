@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
@@ -78,6 +79,8 @@ class Daemon:
         if block_bytes <= 0:
             raise invalid("block_bytes must be positive")
         store = self.store.open_layout(signature, block_bytes)
+        if store.host.reclaim is None:
+            store.host.reclaim = partial(self._yield_hold, store)
         session = self.sessions.open(
             client_name[:128],
             signature,
@@ -295,6 +298,9 @@ class Daemon:
                     "quarantined_slots": quarantined,
                     "writing_behind": store.host.writing_behind,
                     "held_slots": holds,
+                    "holds_refused": self.sessions.holds_refused[store.signature],
+                    "holds_expired": self.sessions.holds_expired[store.signature],
+                    "holds_yielded": self.sessions.holds_yielded[store.signature],
                 }
             )
         sessions, reserved, acquired, _ = self.sessions.held()
@@ -311,6 +317,13 @@ class Daemon:
         }
 
     # ---- internals ----
+
+    def _yield_hold(self, store: LayoutStore) -> bool:
+        """Ends the layout's oldest lookup hold (a promotion found every slot pinned)."""
+        slots = self.sessions.yield_oldest_hold(store.signature)
+        if slots:
+            store.release(slots)
+        return bool(slots)
 
     def _store(self, session: Session) -> LayoutStore:
         store = self.store.get(session.layout)

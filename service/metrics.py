@@ -73,6 +73,15 @@ class StatsCollector(Collector):
         for layout in stats["layouts"]:
             writing.add_metric([layout["layout"]], layout["writing_behind"])
         yield writing
+        for name, help_text in (
+            ("holds_refused", "Host hits a lookup answered beyond the session's share of holds"),
+            ("holds_expired", "Lookup holds that reached their deadline before an acquire"),
+            ("holds_yielded", "Lookup holds ended early to give a promotion a slot"),
+        ):
+            family = CounterMetricFamily(f"kvtier_lookup_{name}", help_text, labels=["layout"])
+            for layout in stats["layouts"]:
+                family.add_metric([layout["layout"]], layout[name])
+            yield family
         yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
         yield GaugeMetricFamily(
             "kvtier_reserved_slots",

@@ -106,6 +106,13 @@ class SessionTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self.holds_refused: Counter[bytes] = Counter()
+        """Per layout, host hits a lookup answered but could not hold (the session's share
+        was full): the acquire may find them evicted and read them from disk."""
+        self.holds_expired: Counter[bytes] = Counter()
+        """Per layout, holds that reached their deadline before an acquire ended them."""
+        self.holds_yielded: Counter[bytes] = Counter()
+        """Per layout, holds ended early to give a promotion a slot."""
 
     def __len__(self) -> int:
         with self._lock:
@@ -264,6 +271,7 @@ class SessionTable:
                     room -= 1
                 else:
                     back.append(slot)
+            self.holds_refused[session.layout] += len(back)
             return back
 
     def take_holds(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
@@ -286,6 +294,24 @@ class SessionTable:
                         del session.holds[block_hash]
             return taken
 
+    def yield_oldest_hold(self, layout: bytes) -> list[int]:
+        """Ends the layout's hold nearest its deadline; returns its slot once per pin (empty
+        if the layout has none)."""
+        with self._lock:
+            oldest: tuple[float, Session, bytes] | None = None
+            for session in self._sessions.values():
+                if session.layout != layout:
+                    continue
+                for block_hash, held in session.holds.items():
+                    if oldest is None or held.until < oldest[0]:
+                        oldest = (held.until, session, block_hash)
+            if oldest is None:
+                return []
+            _, session, block_hash = oldest
+            held = session.holds.pop(block_hash)
+            self.holds_yielded[layout] += 1
+            return [held.slot] * held.pins
+
     def _group_of(self, caller: Session) -> list[Session]:
         """The caller and, when it names an engine group, that group's sessions on its
         layout; call with the lock held."""
@@ -304,6 +330,7 @@ class SessionTable:
             for session in self._sessions.values():
                 late = [h for h, held in session.holds.items() if held.until <= now]
                 if late:
+                    self.holds_expired[session.layout] += len(late)
                     expired.append((session.layout, _unpins(session.holds.pop(h) for h in late)))
         return expired
 

@@ -4,9 +4,10 @@ slots become evictable again) at the acquire, at its deadline, or with the sessi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, content, load, store, wait_until
 
 HOST_SLOTS = 32
 
@@ -54,6 +55,7 @@ def test_a_hold_ends_at_its_deadline_and_with_the_session(daemon):
     stats = daemon.stats()
     assert stats.acquired_slots == 0 and stats.layouts[0].held_slots == len(prefix)
     wait_until(lambda: daemon.stats().layouts[0].held_slots == 0, "the hold's deadline")
+    assert daemon.stats().layouts[0].holds_expired == len(prefix)
     flood(other, "after-deadline", 4 * HOST_SLOTS)
     slots, sources = other.acquire_with_sources(prefix)  # an acquire holds nothing more
     assert sources.host == 0 and sources.disk == len(prefix)
@@ -71,6 +73,54 @@ def test_a_hold_ends_at_its_deadline_and_with_the_session(daemon):
     assert fourth.lookup(again).host == 0
     assert load(fourth, again) == again  # from disk, exact
     fourth.close()
+
+
+def test_hits_beyond_the_share_of_holds_are_counted_as_refused(daemon):
+    """A session holds at most its share of the slots; a lookup answering more host hits
+    than that says so in the statistics, where an operator sees the share is too small."""
+    writer, scheduler = daemon.client(client_name="writer"), daemon.client(client_name="sched")
+    share = HOST_SLOTS // 2  # the default session_slot_share
+    first = [block_hash("share-a", i) for i in range(share - 4)]
+    second = [block_hash("share-b", i) for i in range(8)]
+    assert store(writer, first) == first and store(writer, second) == second
+    assert scheduler.lookup(first).host == len(first)
+    assert scheduler.lookup(second).host == len(second)
+    layout = daemon.stats().layouts[0]
+    assert (layout.held_slots, layout.holds_refused) == (share, 4)
+    writer.close()
+    scheduler.close()
+
+
+def test_a_promotion_that_finds_every_slot_held_ends_the_oldest_hold(daemon):
+    """Engine A's scheduler holds half the tier for requests not scheduled yet and engine B
+    reads the other half: a disk hit A's worker was promised ends A's oldest hold (that block
+    is read from disk later, if need be) rather than fail the load."""
+    writer = daemon.client(client_name="writer")
+    scheduler = daemon.client(client_name="scheduler-a", engine_group="a")
+    worker = daemon.client(client_name="worker-a", engine_group="a")
+    reader = daemon.client(client_name="worker-b", engine_group="b")
+    share = HOST_SLOTS // 2
+    on_disk = [block_hash("yield-disk", 0)]
+    held = [block_hash("yield-held", i) for i in range(share)]
+    read = [block_hash("yield-read", i) for i in range(share)]
+    flood(writer, "yield-old", HOST_SLOTS)
+    for hashes in (on_disk, held, read):
+        assert store(writer, hashes) == hashes
+        wait_until(lambda: writer.stats().layouts[0].writing_behind == 0, "the disk writes")
+    assert scheduler.lookup(held).host == share
+    slots_b = reader.acquire(read)
+    assert len(slots_b) == share  # every slot is pinned now: half held, half read
+    assert daemon.stats().layouts[0].held_slots == share
+
+    slots, sources = worker.acquire_with_sources(on_disk)
+    assert (len(slots), sources.disk) == (1, 1)
+    np.testing.assert_array_equal(worker.slab[slots[0]].numpy(), content(on_disk[0]))
+    layout = daemon.stats().layouts[0]
+    assert (layout.holds_yielded, layout.held_slots) == (1, share - 1)
+    worker.release(slots)
+    reader.release(slots_b)
+    for client in (writer, scheduler, worker, reader):
+        client.close()
 
 
 def test_an_acquire_ends_the_holds_of_its_engine_only(daemon):

@@ -123,6 +123,33 @@ def test_bad_input():
         host.abort([99])
 
 
+def test_a_promotion_that_finds_every_slot_pinned_asks_to_reclaim_one(tmp_path):
+    """The daemon's ``reclaim`` ends a lookup hold (here: a read) so that the promotion gets
+    its slot at once; the tier calls it without its lock, since it releases through the tier."""
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
+    try:
+        host = HostTier(BLOCK, BLOCK * 2, lower=disk)
+        disk.put(h(9), np.full(BLOCK, 9, dtype=np.uint8))
+        store(host, 1)
+        store(host, 2)
+        held = host.acquire([h(1), h(2)])
+        asked: list[int] = []
+
+        def reclaim() -> bool:
+            asked.append(len(held))
+            if not held:
+                return False
+            host.release([held.pop()])
+            return True
+
+        host.reclaim = reclaim
+        slots = host.acquire([h(9)])
+        assert asked == [2] and len(slots) == 1 and int(host.slot_array(slots[0])[0]) == 9
+        host.release(slots + held)
+    finally:
+        disk.close()
+
+
 def test_a_promotion_waits_for_a_slot_to_come_free(tmp_path):
     """Every slot pinned by reads when a disk hit is acquired: the promotion takes the first
     slot a release gives back instead of failing the engine's load at once."""

@@ -175,7 +175,13 @@ def tier_reads(stats: dict) -> dict[str, int]:
     """
     tiers = {t["tier"]: t for t in stats["tiers"]}
     promoted = tiers["host"]["blocks_promoted"]
-    return {"host": tiers["host"]["blocks_loaded"] - promoted, "disk": promoted}
+    (layout,) = stats["layouts"]
+    return {
+        "host": tiers["host"]["blocks_loaded"] - promoted,
+        "disk": promoted,
+        # Host hits not held for their acquire: the daemon may have read those from disk.
+        "unheld": layout["holds_refused"] + layout["holds_expired"] + layout["holds_yielded"],
+    }
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -254,6 +260,11 @@ class KVTierEngine:
         )
         self.passes[workload] = result
         print(f"[{self.name}] {workload}: {result.summary()}")
+        if result.counter("load_failed_blocks"):  # why, in the failure's captured output
+            for path in (self.daemon.log, self.engine.log_path):
+                lines = path.read_text(errors="replace").splitlines()
+                trouble = [line for line in lines if "WARNING" in line or "ERROR" in line]
+                print(*trouble[-20:], sep="\n")
         return result
 
     def run(self, workload: str) -> PassResult:
@@ -461,7 +472,8 @@ def test_outputs_identical_with_kvtier(kvtier: KVTierEngine, baseline: dict) -> 
 
 
 def test_hits_per_tier_agree_with_what_was_read(kvtier: KVTierEngine) -> None:
-    """vLLM's counters, vLLM's prefix-cache statistics and the daemon's reads tell one story."""
+    """vLLM's counters, vLLM's prefix-cache statistics and the daemon's reads tell one story
+    (the daemon's statistics count every host hit it answered but could not hold)."""
     again = kvtier.again
     assert again.vllm.get("vllm:num_preemptions", 0) == 0  # so vLLM credits every hit by source
     # Every block planned for loading was loaded.
@@ -470,9 +482,12 @@ def test_hits_per_tier_agree_with_what_was_read(kvtier: KVTierEngine) -> None:
     # vLLM's own per-source statistics carry kvtier's split.
     assert again.cached_by_source("host") == again.hits("host")
     assert again.cached_by_source("disk") == again.hits("disk")
-    # The daemon read from each tier what vLLM was told that tier would supply.
-    assert again.reads["host"] * BLOCK == again.hits("host"), again.summary()
-    assert again.reads["disk"] * BLOCK == again.hits("disk"), again.summary()
+    # The daemon read from each tier what vLLM was told that tier would supply, but for the
+    # host hits it says it could not hold until their acquire (then it read them from disk).
+    told, read = again.hits("host") + again.hits("disk"), again.reads["host"] + again.reads["disk"]
+    assert read * BLOCK == told, again.summary()
+    moved = again.hits("host") - again.reads["host"] * BLOCK
+    assert 0 <= moved <= again.reads["unheld"] * BLOCK, again.summary()
 
 
 def test_outputs_identical_under_heavy_preemption(

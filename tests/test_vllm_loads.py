@@ -60,6 +60,27 @@ def test_an_async_hit_three_times_the_host_tier_loads_whole(make_engine, daemon)
     harness.assert_daemon_holds_nothing(second, daemon)
 
 
+def test_two_async_hits_asked_in_one_step_share_the_room(make_engine, daemon) -> None:
+    """Each hit is bigger than the session's room: the second load must wait for the room
+    the first one's acquire takes, not ask for it too and be answered short."""
+    first = make_engine(num_blocks=64)
+    shared = [prompt(31 + i, 3 * HOST_SLOTS // 2 * BLOCK) for i in range(2)]
+    for i, tokens in enumerate(shared):
+        first.add([*tokens, 1], f"a{i}")
+    first.run()
+    assert daemon.stop() == 0
+    daemon.host_bytes = HOST_SLOTS * BLOCK_BYTES
+    daemon.start()
+    second = make_engine(num_blocks=64)
+    for i, tokens in enumerate(shared):
+        second.add([*tokens, 2], f"b{i}")
+    second.run()
+    assert second.stats["loaded_blocks"] == 3 * HOST_SLOTS
+    assert "load_failed_blocks" not in second.stats, second.stats
+    assert_scheduler_empty(second.scheduler)
+    harness.assert_daemon_holds_nothing(second, daemon)
+
+
 # ---- one streamed load on its own ----
 def answered(slots: list[int]) -> Future[list[int]]:
     future: Future[list[int]] = Future()

@@ -94,6 +94,10 @@ class HostTier:
         self._slots = SlotTable(num_slots)
         self._promoting: set[int] = set()
         self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
+        self.reclaim: Callable[[], bool] | None = None
+        """Set by the daemon: ends the oldest lookup hold when a promotion finds every slot
+        pinned (a hold only keeps a host hit where the lookup saw it; a disk hit the engine
+        was promised would otherwise fail); True if it ended one. Called without the lock."""
 
     # ---- queries ----
 
@@ -343,9 +347,10 @@ class HostTier:
     def _acquire_one(self, block_hash: BlockHash) -> int | None:
         """Promotes one disk hit into a pinned slot, or None.
 
-        When every slot is in use (pinned by reads, writes behind or reservations), it waits
-        up to ``PROMOTE_WAIT_S`` for one to come free: those end within milliseconds, and a
-        hit the engine was promised is worth that wait more than a recompute.
+        When every slot is in use, it first ends lookup holds (``reclaim``), then waits up to
+        ``PROMOTE_WAIT_S`` for a slot to come free: reads, writes behind and reservations end
+        within milliseconds, and a hit the engine was promised is worth that wait more than a
+        recompute.
         """
         deadline = time.monotonic() + PROMOTE_WAIT_S
         with self._lock:
@@ -364,6 +369,8 @@ class HostTier:
                 slot = self._take_slot()
                 if slot is not None:
                     break
+                if self._reclaim_unlocked():
+                    continue
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -379,6 +386,17 @@ class HostTier:
                 self._drop(slot)
             self._changed.notify_all()
         return slot if ok else None
+
+    def _reclaim_unlocked(self) -> bool:
+        """Runs ``reclaim`` with the lock (held by the caller) given up meanwhile, since it
+        releases slots through this tier."""
+        if self.reclaim is None:
+            return False
+        self._lock.release()
+        try:
+            return self.reclaim()
+        finally:
+            self._lock.acquire()
 
     def _promote_remote(self, hashes: Sequence[BlockHash], sources: LowerHits) -> list[int]:
         """Fetches a run of hashes from the remote tier into pinned slots (disk too)."""
