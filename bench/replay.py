@@ -5,6 +5,10 @@ The same requests run three times: through the GPU pool with the host and disk t
 (the oracle). Everything is counted in prompt tokens. With no capacity flags the tiers are sized
 from the trace: GPU 10% of its distinct full blocks, host 30%, disk all of them, so nothing the
 trace reuses has to be dropped.
+
+With ``--nodes N`` the requests are spread over N nodes, each with tiers of that size, sharing a
+remote tier (``replay_fleet``); the tiered run is then that fleet, the GPU-only run the same
+nodes' GPU pools, and the fleet also runs without its remote tier (``no_remote_saved_tokens``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from kvtier.bench.replay_fleet import ROUTERS, fleet_lines, fleet_summary, replay_fleet
 from kvtier.bench.replay_plot import plot_sweep, sweep
 from kvtier.bench.replay_sim import (
     REPLAY_LAYOUT,
@@ -54,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", help="JSON-lines trace (Mooncake format, 512-token blocks)")
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="seeded synthetic trace")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --workload (default 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of --workload and of --router random (default 0)"
+    )
     parser.add_argument("--limit", type=int, help="replay only the first N requests")
     parser.add_argument("--gpu-blocks", type=int, help="GPU pool size (default: 10%% of blocks)")
     parser.add_argument("--host-bytes", type=parse_bytes, help="host tier (default: 30%%)")
@@ -65,12 +72,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=20.0,
         help="decode time a running request holds its blocks per output token",
     )
+    parser.add_argument(
+        "--nodes",
+        type=_positive,
+        help="spread the requests over N nodes, each with these tiers, sharing a remote tier "
+        "(a private redis-server)",
+    )
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=ROUTERS[0],
+        help="with --nodes: how requests are spread (default round-robin)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
         help="also sweep the lower-tier capacity and plot saved tokens",
     )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive count: {text!r}")
+    return value
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
@@ -167,7 +196,8 @@ def print_text(summary: dict[str, object]) -> None:
             else ""
         ),
         f"hits (tokens): GPU {s['gpu_hit_tokens']}, host {s['host_hit_tokens']}, "
-        f"disk {s['disk_hit_tokens']}",
+        f"disk {s['disk_hit_tokens']}"
+        + (f", remote {s['remote_hit_tokens']}" if "remote_hit_tokens" in s else ""),
         f"prefill saved: {s['saved_tokens']} tokens "
         f"({_fmt(s['saved_fraction'], percent=True)} of prompt tokens)",
         f"  GPU-only: {s['gpu_only_saved_tokens']}   oracle: {s['oracle_saved_tokens']}",
@@ -180,6 +210,8 @@ def print_text(summary: dict[str, object]) -> None:
         f"({s['tier_overhead_ms_per_request']} ms/request for the tiers), hashing "
         f"{s['hash_wall_s']} s",
     ]
+    if "nodes" in s:
+        lines[1:1] = fleet_lines(s)
     print("\n".join(lines))
 
 
@@ -190,6 +222,8 @@ def _fmt(value: object, percent: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nodes is not None and args.plot:
+        raise SystemExit("kvtier bench replay: --plot sweeps one node; leave out --nodes")
     work = load_workload(args)
     capacity, sized = default_capacity(args, work)
     if sized:
@@ -201,16 +235,27 @@ def run(args: argparse.Namespace) -> int:
             capacity.disk_bytes,
         )
     ms = args.ms_per_output_token
-    tiered = replay(work.requests, work.hashes, capacity, ms_per_output_token=ms, label="tiered")
-    gpu_only = replay(
-        work.requests,
-        work.hashes,
-        Capacity(capacity.gpu_blocks),
-        ms_per_output_token=ms,
-        label="gpu-only",
-    )
+    fleet = None
+    if args.nodes is None:
+        tiered = replay(
+            work.requests, work.hashes, capacity, ms_per_output_token=ms, label="tiered"
+        )
+        gpu_only = replay(
+            work.requests,
+            work.hashes,
+            Capacity(capacity.gpu_blocks),
+            ms_per_output_token=ms,
+            label="gpu-only",
+        )
+    else:
+        fleet = replay_fleet(
+            work, capacity, args.nodes, args.router, seed=args.seed, ms_per_output_token=ms
+        )
+        tiered, gpu_only = fleet.shared, fleet.gpu_only
     oracle = oracle_saved_tokens(work.requests, work.hashes)
     summary = summarize(work, capacity, sized, tiered, gpu_only, oracle)
+    if fleet is not None:
+        summary |= fleet_summary(fleet)
     if args.plot:
         points = sweep(work, capacity, tiered, gpu_only, ms)
         plot_sweep(
