@@ -54,12 +54,22 @@ class CircuitBreaker:
         log.warning("kvtier daemon %s: %s; calls miss until it answers again", self._name, reason)
         threading.Thread(target=self._probe_until_closed, name="kvtier-probe", daemon=True).start()
 
+    def close(self) -> None:
+        """Closes the breaker: the daemon has just answered (a session opened), so calls
+        need not wait for the next probe."""
+        with self._lock:
+            was_open, self._open = self._open, False
+        if was_open:
+            log.info("kvtier daemon %s answers again", self._name)
+
     def stop(self) -> None:
         self._stopped.set()
 
     def _probe_until_closed(self) -> None:
         wait = _FIRST_PROBE_S
         while not self._stopped.wait(wait):
+            if not self._open:
+                return  # closed meanwhile (a session opened)
             if self._probe():
                 with self._lock:
                     self._open = False

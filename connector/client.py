@@ -16,7 +16,6 @@ session gone) gives the session up; ``SessionKeeper`` then opens a new one.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -29,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.arena import ArenaView
 from kvtier.connector.circuit import CircuitBreaker
+from kvtier.connector.client_later import LaterCalls
 from kvtier.connector.client_session import SessionKeeper, SlotLedger
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
@@ -61,7 +61,9 @@ class DaemonClient:
     listener requires. ``timeout_s`` bounds every call; an acquire of ``n`` bytes may take
     ``n / (load_gbps * 1e9)`` seconds more (the daemon may read them from disk), and goes in
     chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
-    a client that only looks up (a scheduler process): ``slab`` then stays empty.
+    a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
+    one engine name the same ``engine_group``: the host hits one's lookup holds are then
+    handed over to another's acquire.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class DaemonClient:
         load_gbps: float = 0.5,
         chunk_bytes: int = 256 << 20,
         map_arena: bool = True,
+        engine_group: str = "",
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -100,7 +103,6 @@ class DaemonClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
-        self._unsettled: list[grpc.Future] = []
         self._call_ids = itertools.count(1)
         self.breaker = CircuitBreaker(self._probe, self.target)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
@@ -115,6 +117,7 @@ class DaemonClient:
             block_bytes=block_bytes,
             block_tokens=block_tokens,
             protocol_version=contract.PROTOCOL_VERSION,
+            engine_group=engine_group,
             **local,
         )
         self._keeper = SessionKeeper(
@@ -126,6 +129,16 @@ class DaemonClient:
             target=self.target,
             metadata=self._metadata,
             timeout_s=timeout_s,
+            on_open=self.breaker.close,
+        )
+        self._later = LaterCalls(
+            self._stub,
+            self._lock,
+            self.breaker,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+            failed=self._failed,
+            give_up=self._keeper.give_up,
         )
 
     # ---- state ----
@@ -142,6 +155,12 @@ class DaemonClient:
     def chunk_blocks(self) -> int:
         """Most blocks one Acquire asks for (``chunk_bytes`` worth)."""
         return min(self._chunk_blocks, self._keeper.limits.max_hashes)
+
+    @property
+    def lookup_hold_s(self) -> float:
+        """How long the daemon keeps a lookup's host hits for this client's acquire: an
+        answer older than that may have gone stale (0: not held at all)."""
+        return self._keeper.limits.lookup_hold_s
 
     def acquire_room(self) -> int:
         """How many more slot reads this session may hold now (its share of the slots)."""
@@ -184,10 +203,9 @@ class DaemonClient:
     ) -> list[int]:
         """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``metas`` (one per hash) is
         the engine's identity of each block, kept with it and echoed in block events."""
-        self.settle()
         slots = [NO_SPACE] * len(hashes)
         session = self._usable(bool(hashes))
-        if session is None:
+        if session is None or not self.settle(self.timeout_s):
             return slots
         limits = self._keeper.limits
         room = max(0, limits.max_reserved - len(self._ledger.reserved))
@@ -202,7 +220,8 @@ class DaemonClient:
             try:
                 reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
-                self._failed("Reserve", exc, session, repair=self._canceller(session, call_id))
+                repair = self._later.canceller(session, call_id)
+                self._failed("Reserve", exc, session, repair=repair)
                 break
             with self._lock:
                 if self._keeper.session != session:
@@ -223,7 +242,7 @@ class DaemonClient:
             session = self._keeper.session
         if session is None or not self.breaker.allow():
             if session is not None:
-                self._send_later("Abort", session, slots, tolerate_gone=True)
+                self._later.send("Abort", session, slots, tolerate_gone=True)
             self.failures += 1
             return False
         step = self._keeper.limits.max_hashes
@@ -238,7 +257,7 @@ class DaemonClient:
                 def abort_rest(rest=rest) -> None:
                     # Each chunk committed whole or not at all: abort them one by one.
                     for i in range(0, len(rest), step):
-                        self._send_later("Abort", session, rest[i : i + step], tolerate_gone=True)
+                        self._later.send("Abort", session, rest[i : i + step], tolerate_gone=True)
 
                 self._failed("Commit", exc, session, repair=abort_rest)
                 return False
@@ -253,11 +272,10 @@ class DaemonClient:
     def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
         """Slots holding the held prefix of ``hashes`` (within this session's share of the
         slots), and which tier each came from; give them back with ``release``."""
-        self.settle()
         acquired: list[int] = []
         sources = LowerHits()
         session = self._usable(bool(hashes))
-        if session is None:
+        if session is None or not self.settle(self.timeout_s):
             return acquired, sources
         wanted = hashes[: self.acquire_room()]
         step = self.chunk_blocks
@@ -269,7 +287,8 @@ class DaemonClient:
             try:
                 reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
             except grpc.RpcError as exc:
-                self._failed("Acquire", exc, session, repair=self._canceller(session, call_id))
+                repair = self._later.canceller(session, call_id)
+                self._failed("Acquire", exc, session, repair=repair)
                 break
             with self._lock:
                 if self._keeper.session != session:
@@ -286,17 +305,11 @@ class DaemonClient:
     def release(self, slots: Sequence[int]) -> None:
         self._finish("Release", slots, self._ledger.take_acquired)
 
-    def settle(self) -> None:
-        """Waits until the daemon has answered every call sent without waiting.
-
-        Reserve and acquire call it first, so that they see the room releases and aborts
-        made; failures are handled by those calls' own callbacks.
-        """
-        with self._lock:
-            pending, self._unsettled = self._unsettled, []
-        for future in pending:
-            with contextlib.suppress(grpc.RpcError, grpc.FutureCancelledError):
-                future.result()
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits until the daemon has answered every call sent without waiting; False (and
+        the breaker opened) if it has not within ``timeout``. Reserve and acquire call it
+        first (with the call deadline), so that they see the room releases and aborts made."""
+        return self._later.settle(timeout)
 
     # ---- bytes through gRPC, for a client that cannot map the arena ----
 
@@ -409,57 +422,7 @@ class DaemonClient:
         if session is not None:
             step = self._keeper.limits.max_hashes
             for start in range(0, len(slots), step):
-                self._send_later(method, session, slots[start : start + step])
-
-    def _send_later(
-        self, method: str, session: str, slots: Sequence[int], tolerate_gone: bool = False
-    ) -> None:
-        """Sends a Release or Abort without waiting for it; a failure gives the session up,
-        since the daemon's view of these slots is then unknown. ``tolerate_gone``: the slots
-        may be committed already (an abort repairing a commit), which is fine."""
-        request = pb.SlotsRequest(session_id=session, slots=slots)
-        future = getattr(self._stub, method).future(
-            request, timeout=self.timeout_s, metadata=self._metadata
-        )
-        with self._lock:
-            self._unsettled.append(future)
-
-        def settled(future: grpc.Future) -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._unsettled.remove(future)
-            if future.cancelled():
-                return
-            exc = future.exception()
-            if exc is None:
-                return
-            if tolerate_gone and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                return
-            self._failed(method, exc, session)
-            self._keeper.give_up(session, f"{method} failed ({exc.code().name})")
-
-        future.add_done_callback(settled)
-
-    def _canceller(self, session: str, call_id: int) -> Callable[[], None]:
-        """A repair for a Reserve or Acquire that failed: cancel it on the daemon."""
-
-        def cancel() -> None:
-            request = pb.CancelRequest(session_id=session, call_id=call_id)
-            future = self._stub.Cancel.future(
-                request, timeout=self.timeout_s, metadata=self._metadata
-            )
-            with self._lock:
-                self._unsettled.append(future)
-
-            def settled(future: grpc.Future) -> None:
-                with self._lock, contextlib.suppress(ValueError):
-                    self._unsettled.remove(future)
-                if not future.cancelled() and future.exception() is not None:
-                    code = future.exception().code().name
-                    self._keeper.give_up(session, f"Cancel failed ({code})")
-
-            future.add_done_callback(settled)
-
-        return cancel
+                self._later.send(method, session, slots[start : start + step])
 
     def _failed(
         self,

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class Limits:
     max_hashes: int = contract.MAX_HASHES
     max_reserved: int = 1 << 30
     max_acquired: int = 1 << 30
+    lookup_hold_s: float = 0.0
+    """How long the daemon holds a lookup's host hits for this session's acquire."""
 
 
 class SlotLedger:
@@ -70,7 +73,8 @@ class SlotLedger:
 
 
 class SessionKeeper:
-    """Holds one session at a time on ``stub`` for ``request``'s layout."""
+    """Holds one session at a time on ``stub`` for ``request``'s layout; ``on_open`` runs
+    each time one opens."""
 
     def __init__(
         self,
@@ -83,6 +87,7 @@ class SessionKeeper:
         target: str,
         metadata,
         timeout_s: float,
+        on_open: Callable[[], None] = lambda: None,
     ):
         self._stub = stub
         self._request = request
@@ -92,6 +97,7 @@ class SessionKeeper:
         self._target = target
         self._metadata = metadata
         self._timeout_s = timeout_s
+        self._on_open = on_open
         self.session: str | None = None
         self.limits = Limits()
         self.daemon_id: str | None = None
@@ -127,15 +133,17 @@ class SessionKeeper:
             session, self.session = self.session, None
             keepalive = self._keepalive
             self._ledger.changed.notify_all()
-        if keepalive is not None:
-            keepalive.cancel()
         if session is not None:
+            # Close before the stream ends: a session that merely lost its stream keeps its
+            # slots quarantined for a while, one closed gives them back at once.
             with contextlib.suppress(grpc.RpcError):
                 self._stub.Close(
                     pb.SessionRequest(session_id=session),
                     timeout=self._timeout_s,
                     metadata=self._metadata,
                 )
+        if keepalive is not None:
+            keepalive.cancel()
         self._thread.join()
 
     def _maintain(self) -> None:
@@ -214,6 +222,7 @@ class SessionKeeper:
         keepalive = self._stub.KeepAlive(
             pb.SessionRequest(session_id=opened.session_id), metadata=self._metadata
         )
+        self._on_open()  # before the session is seen: its first call finds the breaker closed
         with self._lock:
             if self._closing.is_set():
                 keepalive.cancel()
@@ -224,6 +233,7 @@ class SessionKeeper:
                 opened.max_hashes or contract.MAX_HASHES,
                 opened.max_reserved or Limits.max_reserved,
                 opened.max_acquired or Limits.max_acquired,
+                opened.lookup_hold_ms / 1000,
             )
             self.sessions_opened += 1
             self._ledger.changed.notify_all()

@@ -63,12 +63,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # vLLM gives every engine an id its scheduler and workers share: the worker's acquire
+        # takes over the host hits the scheduler's lookup held
+        group = self._kv_transfer_config.engine_id or ""
         if role == KVConnectorRole.SCHEDULER:
             model_id = config.model_id or vllm_config.model_config.model
             hash_block_size = kv_cache_config.hash_block_size  # None: vLLM's block size
-            self._scheduler = SchedulerSide(config, groups, model_id, tp_world, hash_block_size)
+            self._scheduler = SchedulerSide(
+                config, groups, model_id, tp_world, hash_block_size, engine_group=group
+            )
         else:
-            self._worker = WorkerSide(config, groups, _tp_rank())
+            self._worker = WorkerSide(config, groups, _tp_rank(), engine_group=group)
         log.info(
             "KVTierConnector (%s): daemon %s, %s, store %s, %s loads",
             role.name,

@@ -87,8 +87,11 @@ class KVTierConfig:
             return None
         return Path(self.token_file).read_text().strip()
 
-    def client(self, layout: KVLayout, name: str, *, map_arena: bool = True) -> DaemonClient:
-        """A daemon client for one connector role, with this config's endpoint and deadlines."""
+    def client(
+        self, layout: KVLayout, name: str, *, map_arena: bool = True, engine_group: str = ""
+    ) -> DaemonClient:
+        """A daemon client for one connector role, with this config's endpoint and deadlines;
+        the roles of one engine name the same ``engine_group``."""
         return DaemonClient(
             layout.signature,
             layout.block_bytes,
@@ -98,6 +101,7 @@ class KVTierConfig:
             client_name=name,
             timeout_s=self.timeout_s,
             map_arena=map_arena,
+            engine_group=engine_group,
         )
 
 

@@ -35,14 +35,16 @@ Ask = Callable[[KVGroup, list[BlockHash]], Future[LowerHits]]
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """Tokens beyond ``start`` that every group can serve, and how many the host tier has."""
+    """Tokens beyond ``start`` that every group can serve, and how many of them the host and
+    disk tiers hold (the rest is on the remote tier)."""
 
     tokens: int = 0
     host_tokens: int = 0
+    disk_tokens: int = 0
 
     @property
-    def disk_tokens(self) -> int:
-        return self.tokens - self.host_tokens
+    def remote_tokens(self) -> int:
+        return self.tokens - self.host_tokens - self.disk_tokens
 
 
 class Chain:
@@ -135,5 +137,7 @@ class HitSearch:
             return
         tokens = h - self.start
         ref = self._reference
-        host = min((ref.first_answer or LowerHits()).host * ref.group.block_size, tokens)
-        self.result.set_result(Hit(tokens, host))
+        answer, size = ref.first_answer or LowerHits(), ref.group.block_size
+        host = min(answer.host * size, tokens)
+        disk = min(answer.disk * size, tokens - host)
+        self.result.set_result(Hit(tokens, host, disk))

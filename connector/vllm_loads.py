@@ -14,6 +14,8 @@ which run on a helper thread; nothing here waits.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,6 +30,13 @@ Copy = Callable[[list[int], list[int]], Transfer]
 Fail = Callable[[LoadSpec, list[int]], None]
 """Reports these block ids of the load as not loadable."""
 
+STARVED_S = 30.0
+"""A load that finds no room for this long fails its remaining blocks (vLLM recomputes them)
+rather than keep its request waiting: room comes back within one acquire's deadline unless
+slots leaked, and no request may wait on that forever."""
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class StreamedLoad:
@@ -40,6 +49,7 @@ class StreamedLoad:
     acquiring: Future[list[int]] | None = None
     copying: Transfer | None = None
     failed: bool = False
+    starved_since: float | None = None
 
     @property
     def landed(self) -> bool:
@@ -47,9 +57,18 @@ class StreamedLoad:
         idle = self.acquiring is None and self.copying is None
         return idle and (self.failed or self.next >= len(self.hashes))
 
-    def advance(self, acquire: Acquire, copy: Copy, fail: Fail, room: int, chunk: int) -> None:
+    def advance(
+        self,
+        acquire: Acquire,
+        copy: Copy,
+        fail: Fail,
+        room: int,
+        chunk: int,
+        now: float | None = None,
+    ) -> None:
         """Moves the load on as far as it can go now; ``room`` is how many more slots the
-        session may hold, ``chunk`` the most to ask for at once."""
+        session may hold, ``chunk`` the most to ask for at once, ``now`` the monotonic time."""
+        now = time.monotonic() if now is None else now
         if self.copying is not None:
             if not self.copying.done():
                 return
@@ -67,9 +86,25 @@ class StreamedLoad:
                 fail(self.spec, self.spec.block_ids[self.next :])
         if self.copying is None and not self.landed:
             want = min(len(self.hashes) - self.next, room, chunk)
-            if want > 0:  # else the session's slots are all held now: ask again next step
+            if want > 0:
+                self.starved_since = None
                 self.asked = want
                 self.acquiring = acquire(self.hashes[self.next : self.next + want])
+            else:  # the session's slots are all held now: ask again next step
+                self._starved(fail, now)
+
+    def _starved(self, fail: Fail, now: float) -> None:
+        if self.starved_since is None:
+            self.starved_since = now
+        elif now - self.starved_since >= STARVED_S:
+            log.warning(
+                "kvtier: no room to load %s for %.0f s; recomputing its last %d blocks",
+                self.spec.req_id,
+                now - self.starved_since,
+                len(self.hashes) - self.next,
+            )
+            self.failed = True
+            fail(self.spec, self.spec.block_ids[self.next :])
 
     def abandon(self, release: Callable[[list[int]], None]) -> None:
         """At shutdown: gives back the slots of an acquire that has not been copied."""

@@ -10,8 +10,9 @@ ask later.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.connector.vllm_hits import Ask, Chain, Hit, HitSearch
@@ -27,6 +28,7 @@ class Lookup:
     start: int
     end: int
     search: HitSearch
+    asked_at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def ask(cls, ask: Ask, chains: Sequence[Chain], start: int, end: int, align: int) -> Lookup:
@@ -37,6 +39,11 @@ class Lookup:
     @property
     def answers(self) -> list[Future[Hit]]:
         return [self.search.result]
+
+    def stale(self, hold_s: float) -> bool:
+        """Whether the answer is older than half the daemon holds a lookup's host hits: the
+        daemon may have let them go, so ask again rather than promise them to vLLM."""
+        return hold_s > 0 and self.done() and time.monotonic() - self.asked_at > hold_s / 2
 
     def done(self) -> bool:
         return self.search.result.done()

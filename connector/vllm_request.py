@@ -172,6 +172,7 @@ class RequestState:
     """Tokens vLLM must have processed before blocks computed over a sync load are stored."""
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     stores_issued: bool = False
     stale: bool = False
     """It holds KV from before ``reset_cache``: none of it may be stored any more."""

@@ -57,6 +57,7 @@ class SchedulerSide:
         model_id: str,
         tp_world: int,
         hash_block_size: int | None = None,
+        engine_group: str = "",
     ):
         self.config = config
         self.groups = groups
@@ -82,8 +83,9 @@ class SchedulerSide:
         self.clients = {}
         for group in groups:
             if group.layout.signature not in self.clients:
-                client = config.client(group.layout, "vllm-scheduler", map_arena=False)
-                self.clients[group.layout.signature] = client
+                self.clients[group.layout.signature] = config.client(
+                    group.layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
+                )
         self.client = self.clients[groups[0].layout.signature]
         for client in self.clients.values():
             if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
@@ -139,7 +141,11 @@ class SchedulerSide:
     def _lookup(self, state: RequestState, start: int, end: int) -> Lookup:
         """The lookup of tokens ``[start, end)``: the one asked before, or a new one."""
         lookup = state.lookup
-        if lookup is None or (lookup.start, lookup.end) != (start, end):
+        if (
+            lookup is None
+            or (lookup.start, lookup.end) != (start, end)
+            or lookup.stale(self.client.lookup_hold_s)
+        ):
             self._lookups.discard(lookup)
             chains = [
                 Chain(group, shard)
@@ -223,10 +229,15 @@ class SchedulerSide:
                 state.stored_blocks[g] = max(state.stored_blocks[g], last)
         state.load = PlannedLoad(start, planned, sync)
         self._loading[request.request_id] = state
-        state.host_hit_tokens = min(state.offer.host_tokens, num_external_tokens)
-        state.disk_hit_tokens = num_external_tokens - state.host_hit_tokens
+        offer = state.offer
+        state.host_hit_tokens = min(offer.host_tokens, num_external_tokens)
+        state.disk_hit_tokens = min(offer.disk_tokens, num_external_tokens - state.host_hit_tokens)
+        state.remote_hit_tokens = (
+            num_external_tokens - state.host_hit_tokens - state.disk_hit_tokens
+        )
         self.stats.add("host_hit_tokens", state.host_hit_tokens)
         self.stats.add("disk_hit_tokens", state.disk_hit_tokens)
+        self.stats.add("remote_hit_tokens", state.remote_hit_tokens)
         # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
         self._lookups.discard(state.lookup)
         state.lookup, state.offer = None, None
@@ -239,6 +250,8 @@ class SchedulerSide:
         split = {
             CacheHitSource.HOST: state.host_hit_tokens,
             CacheHitSource.DISK: state.disk_hit_tokens,
+            # vLLM names no remote-store source; its "uninstrumented or remote store" one
+            CacheHitSource.EXTERNAL_UNSPECIFIED: state.remote_hit_tokens,
         }
         if sum(split.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}

@@ -20,6 +20,7 @@ COUNTERS: dict[str, str] = {
     "lookup_tokens": "Prompt tokens whose blocks kvtier was asked about (once per admission)",
     "host_hit_tokens": "Tokens loaded from kvtier's host tier",
     "disk_hit_tokens": "Tokens loaded from kvtier's disk tier",
+    "remote_hit_tokens": "Tokens loaded from kvtier's remote tier (shared by many nodes)",
     "daemon_failures": "kvtier daemon calls that failed (each counted as a miss)",
     "loaded_blocks": "Blocks copied from kvtier into vLLM's KV cache",
     "load_failed_blocks": "Blocks whose load failed and were recomputed",
@@ -60,7 +61,7 @@ class KVTierStats(KVConnectorStats):
         reduced: dict[str, int | float] = dict(self.data)
         lookups = reduced.get("lookup_tokens", 0)
         if lookups:
-            hits = reduced.get("host_hit_tokens", 0) + reduced.get("disk_hit_tokens", 0)
+            hits = sum(reduced.get(f"{tier}_hit_tokens", 0) for tier in ("host", "disk", "remote"))
             reduced["hit_rate"] = round(hits / lookups, 4)
         return reduced
 

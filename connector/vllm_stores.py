@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Collection
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 
 Reserve = Callable[[list[bytes], list[bytes]], list[int]]
@@ -62,6 +62,10 @@ class StoreQueue:
             store = self._pending.popleft()
             ready.append((store, store.reserved.result()))
         return ready
+
+    def wait_reserved(self, timeout: float | None = None) -> None:
+        """Blocks until every queued store's slots are answered (or ``timeout``)."""
+        wait([store.reserved for store in self._pending], timeout=timeout)
 
     def take_all(self) -> list[tuple[PendingStore, list[int]]]:
         """Every queued store with its slots, waiting for the answers."""

@@ -59,7 +59,9 @@ log = logging.getLogger(__name__)
 class WorkerSide:
     """Moves blocks for one worker (one tensor-parallel rank)."""
 
-    def __init__(self, config: KVTierConfig, groups: list[KVGroup], rank: int):
+    def __init__(
+        self, config: KVTierConfig, groups: list[KVGroup], rank: int, engine_group: str = ""
+    ):
         self.config = config
         self.groups = {group.index: group for group in groups}
         self.rank = rank
@@ -67,7 +69,9 @@ class WorkerSide:
         for group in groups:
             signature = group.layout.signature
             if signature not in self.clients:
-                self.clients[signature] = config.client(group.layout, f"vllm-worker-{rank}")
+                self.clients[signature] = config.client(
+                    group.layout, f"vllm-worker-{rank}", engine_group=engine_group
+                )
         for client in self.clients.values():
             if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
                 log.warning(
@@ -138,9 +142,11 @@ class WorkerSide:
             client.settle()
 
     def wait_for_loads(self, timeout: float | None = None) -> None:
-        """Blocks until every async load begun so far has landed (or ``timeout``); for an
-        engine that has nothing else to run this step."""
+        """Blocks until every async load begun so far has landed and every deferred store has
+        its slots (or ``timeout``); for an engine that has nothing else to run this step."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        for queue in self._deferred.values():
+            queue.wait_reserved(None if deadline is None else max(0, deadline - time.monotonic()))
         while not all(load.landed for load in self._loads()):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

@@ -17,7 +17,7 @@ ALREADY_STORED: SlotStatus
 NO_SPACE: SlotStatus
 
 class OpenRequest(_message.Message):
-    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns")
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class OpenRequest(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_NS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_GROUP_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout_signature: bytes
     block_bytes: int
@@ -32,10 +33,11 @@ class OpenRequest(_message.Message):
     protocol_version: int
     client_pid: int
     client_pid_ns: int
-    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ...) -> None: ...
+    engine_group: str
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired")
+    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class OpenResponse(_message.Message):
     MAX_HASHES_FIELD_NUMBER: _ClassVar[int]
     MAX_RESERVED_FIELD_NUMBER: _ClassVar[int]
     MAX_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_id: str
     arena_path: str
@@ -56,7 +59,8 @@ class OpenResponse(_message.Message):
     max_hashes: int
     max_reserved: int
     max_acquired: int
-    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ...) -> None: ...
+    lookup_hold_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ..., lookup_hold_ms: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -256,7 +260,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
-    __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind")
+    __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind", "held_slots")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +271,7 @@ class LayoutStats(_message.Message):
     ACQUIRED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WRITING_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    HELD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     layout: str
     slot_bytes: int
     num_slots: int
@@ -277,7 +282,8 @@ class LayoutStats(_message.Message):
     acquired_slots: int
     quarantined_slots: int
     writing_behind: int
-    def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ...) -> None: ...
+    held_slots: int
+    def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ..., held_slots: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers")

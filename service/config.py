@@ -89,7 +89,7 @@ class DaemonConfig:
     lease_s: float = 30.0
     max_hashes: int = contract.MAX_HASHES
     grace_s: float = 5.0
-    flush_interval_s: float = 0.2
+    flush_interval_s: float = 0.02
     """Most time a committed block waits before the disk writer makes it durable."""
     max_layouts: int = 8
     """Layouts (models) served at once; each has its own host_bytes arena and disk_bytes."""
@@ -98,6 +98,8 @@ class DaemonConfig:
     """WatchEvents subscribers at once."""
     session_slot_share: float = 0.5
     """Most of a layout's slots one session may hold reserved, and as many acquired."""
+    lookup_hold_s: float = 5.0
+    """How long a lookup's host hits stay pinned for the acquire that follows (0: not)."""
     remote: str | None = None
     """The store shared by many nodes below the disk tier (off by default): ``redis://HOST:PORT``,
     ``rediss://…``, a cluster seed list ``HOST:PORT,HOST:PORT`` or ``mooncake://MASTER``
@@ -130,6 +132,8 @@ class DaemonConfig:
         for name in ("max_layouts", "max_sessions", "max_watchers"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lookup_hold_s < 0:
+            raise ConfigError("lookup_hold_s", "lookup_hold_s must be >= 0")
         if not 0 < self.session_slot_share <= 1:
             raise ConfigError("session_slot_share", "session_slot_share must be in (0, 1]")
         if self.stats_port is not None and not -1 <= self.stats_port <= 65535:
@@ -317,6 +321,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-layouts", help=f"models (layouts) served at once (default {d.max_layouts})")
     add("--max-sessions", help=f"client sessions at once (default {d.max_sessions})")
     add("--max-watchers", help=f"WatchEvents subscribers (default {d.max_watchers})")
+    add(
+        "--lookup-hold-s",
+        help="how long a lookup's host hits stay pinned for the acquire that follows "
+        f"(default {d.lookup_hold_s}; 0: not at all)",
+    )
     add(
         "--session-slot-share",
         help="most of a layout's slots one session may hold reserved or acquired (default 0.5)",

@@ -66,6 +66,7 @@ class Daemon:
         peer: str = "",
         client_pid: int = 0,
         client_pid_ns: int = 0,
+        engine_group: str = "",
     ) -> Opened:
         """Blocking: the first Open of a layout creates its arena and opens its disk tier."""
         if protocol_version != PROTOCOL_VERSION:
@@ -84,6 +85,7 @@ class Daemon:
             peer=peer,
             client_pid=client_pid,
             client_pid_ns=client_pid_ns,
+            engine_group=engine_group,
         )
         log.info(
             "session %s opened by %r for layout %s",
@@ -128,6 +130,8 @@ class Daemon:
             self._quarantine = [(t, left) for t, left in self._quarantine if t > now]
         for left in due:
             self._give_back(left)
+        for layout, slots in self.sessions.expire_holds(now):
+            self._give_back(Leftovers(layout, [], [], held=slots))
         ended = self.sessions.reap()
         for session, left in ended:
             self._give_back_after_loss(left)
@@ -153,9 +157,23 @@ class Daemon:
     # ---- blocks ----
 
     def lookup(self, session_id: str, hashes: Sequence[bytes], peer: str = "") -> LowerHits:
-        """Blocking when the remote tier is asked."""
+        """Blocking when the remote tier is asked.
+
+        The host hits are held for the session for ``lookup_hold_s`` (within its share of
+        the slots), so that the acquire that follows finds them where this answer says they
+        are, however busy the host tier is meanwhile.
+        """
         session = self.sessions.get(session_id, peer)
-        return self._store(session).lookup(hashes, session.block_tokens)
+        store = self._store(session)
+        if self.config.lookup_hold_s <= 0:
+            return store.lookup(hashes, session.block_tokens)
+        hits, pinned = store.lookup_holding(hashes, session.block_tokens)
+        if pinned:
+            until = time.monotonic() + self.config.lookup_hold_s
+            back = self.sessions.add_holds(session_id, pinned, until, self.slot_quota(store))
+            if back:
+                store.release(back)
+        return hits
 
     def reserve(
         self,
@@ -199,6 +217,9 @@ class Daemon:
         store = self._store(session)
         room = max(0, self.slot_quota(store) - session.acquired.total())
         slots, sources = store.acquire(hashes[:room])
+        held = self.sessions.take_holds(session_id, hashes)
+        if held:  # the acquire pinned them itself
+            store.release(held)
         if not self.sessions.end_call(session_id, call_id, ACQUIRE, slots):
             store.release(slots)
             return [], LowerHits()
@@ -253,7 +274,7 @@ class Daemon:
             held = list(self._quarantine)
         tiers, layouts = [], []
         for store in self.store.layouts():
-            sessions, reserved, acquired = self.sessions.held(store.signature)
+            sessions, reserved, acquired, holds = self.sessions.held(store.signature)
             quarantined = sum(
                 len(left.reserved) + len(left.acquired)
                 for _, left in held
@@ -273,9 +294,10 @@ class Daemon:
                     "acquired_slots": acquired,
                     "quarantined_slots": quarantined,
                     "writing_behind": store.host.writing_behind,
+                    "held_slots": holds,
                 }
             )
-        sessions, reserved, acquired = self.sessions.held()
+        sessions, reserved, acquired, _ = self.sessions.held()
         return {
             "tiers": tiers,
             "layouts": layouts,
@@ -305,7 +327,10 @@ class Daemon:
         """
         if process_gone(left.client_pid, left.client_pid_ns):
             self._give_back(left)
-        elif left.reserved or left.acquired:
+            return
+        self._give_back(Leftovers(left.layout, [], [], held=left.held))
+        left.held = []
+        if left.reserved or left.acquired:
             with self._quarantine_lock:
                 self._quarantine.append((time.monotonic() + QUARANTINE_S, left))
             log.warning(
@@ -321,5 +346,5 @@ class Daemon:
             return
         if left.reserved:
             store.abort(left.reserved)
-        if left.acquired:
-            store.release(left.acquired)
+        if left.acquired or left.held:
+            store.release(left.acquired + left.held)

@@ -91,7 +91,18 @@ class LayoutStore:
 
     def lookup(self, hashes: Sequence[bytes], block_tokens: int) -> LowerHits:
         hits = self.host.lookup(hashes)
-        asked = len(hashes)
+        self._count_lookup(len(hashes), hits, block_tokens)
+        return hits
+
+    def lookup_holding(
+        self, hashes: Sequence[bytes], block_tokens: int
+    ) -> tuple[LowerHits, list[tuple[bytes, int]]]:
+        """``lookup`` with its host hits pinned: (hits, [(hash, slot)]); see ``HostTier``."""
+        hits, pinned = self.host.lookup_holding(hashes)
+        self._count_lookup(len(hashes), hits, block_tokens)
+        return hits, pinned
+
+    def _count_lookup(self, asked: int, hits: LowerHits, block_tokens: int) -> None:
         for tier, hit in ((HOST, hits.host), (DISK, hits.disk), (REMOTE, hits.remote)):
             counters = self.counters.get(tier)
             if counters is None:
@@ -99,7 +110,6 @@ class LayoutStore:
             counters.query_tokens += asked * block_tokens
             counters.hit_tokens += hit * block_tokens
             asked -= hit
-        return hits
 
     def reserve(self, hashes: Sequence[bytes], metas: Sequence[bytes]) -> list[int]:
         return self.host.reserve(hashes, metas)

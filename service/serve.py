@@ -132,7 +132,8 @@ async def _start(
         where.append(f"stats {http.url}/metrics and /stats")
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.create_task(_reap(daemon, config.lease_s))
+    interval = min(config.lease_s / 4, config.lookup_hold_s / 2 or config.lease_s / 4)
+    reaper = asyncio.create_task(_reap(daemon, interval))
     made.callback(reaper.cancel)
     disk = f"disk tiers under {config.disk_path}" if config.disk_bytes else "no disk tier"
     log.info(
@@ -200,11 +201,11 @@ def _server(
     return server
 
 
-async def _reap(daemon: Daemon, lease_s: float) -> None:
-    """Ends lapsed sessions a few times per lease."""
+async def _reap(daemon: Daemon, interval_s: float) -> None:
+    """Ends lapsed sessions and lookups' holds, a few times per lease and per hold."""
     while True:
-        await asyncio.sleep(lease_s / 4)
-        daemon.reap()
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(daemon.reap)
 
 
 def _prepare_socket(path: Path) -> None:

@@ -145,6 +145,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 peer=_peer(context),
                 client_pid=request.client_pid,
                 client_pid_ns=request.client_pid_ns,
+                engine_group=request.engine_group[:128],
             )
         )
         arena = opened.store.arena
@@ -159,6 +160,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             max_hashes=self.max,
             max_reserved=opened.max_reserved,
             max_acquired=opened.max_acquired,
+            lookup_hold_ms=int(self.daemon.config.lookup_hold_s * 1000),
         )
 
     @_unary

@@ -49,6 +49,16 @@ class CallCancelled(RuntimeError):
 
 
 @dataclass(slots=True)
+class Hold:
+    """One host hit held for acquires to come: one pin of ``slot`` per lookup that answered
+    it (two requests sharing a prefix each hold it, and each one's acquire ends one pin)."""
+
+    slot: int
+    pins: int
+    until: float
+
+
+@dataclass(slots=True)
 class Session:
     session_id: str
     client_name: str
@@ -63,6 +73,11 @@ class Session:
     """Keep-alive streams open; a session with one never lapses."""
     client_pid: int = 0
     client_pid_ns: int = 0
+    engine_group: str = ""
+    """The engine this session is a part of (its scheduler's and workers' sessions share
+    one): an acquire of any of them ends the holds of all of them."""
+    holds: dict[bytes, Hold] = field(default_factory=dict)
+    """Host hits lookups answered, held (slot pinned) until the acquires or the deadline."""
     running: set[int] = field(default_factory=set)
     recent: OrderedDict[int, tuple[str, list[int]]] = field(default_factory=OrderedDict)
     cancelled: OrderedDict[int, None] = field(default_factory=OrderedDict)
@@ -77,6 +92,9 @@ class Leftovers:
     acquired: list[int]
     client_pid: int = 0
     client_pid_ns: int = 0
+    held: list[int] = field(default_factory=list)
+    """Host hits its lookups held: no copy of the client's reads them, so they come back at
+    once even when the rest is quarantined."""
 
 
 class SessionTable:
@@ -102,6 +120,7 @@ class SessionTable:
         peer: str = "",
         client_pid: int = 0,
         client_pid_ns: int = 0,
+        engine_group: str = "",
     ) -> Session:
         session = Session(
             secrets.token_hex(16),
@@ -112,6 +131,7 @@ class SessionTable:
             peer=peer,
             client_pid=client_pid,
             client_pid_ns=client_pid_ns,
+            engine_group=engine_group,
         )
         with self._lock:
             if len(self._sessions) >= self.max_sessions:
@@ -219,6 +239,74 @@ class SessionTable:
                 session.acquired = +session.acquired
             return kind, back
 
+    # ---- what lookups hold for the acquire that follows ----
+
+    def add_holds(
+        self, session_id: str, pinned: Sequence[tuple[bytes, int]], until: float, limit: int
+    ) -> list[int]:
+        """Keeps ``pinned`` host hits (hash, slot) for the session until ``until``; returns the
+        slots NOT kept, which the caller unpins: beyond ``limit`` slots held and acquired, or
+        the session gone. A hit held already gains a pin (and the later deadline), within no
+        limit: it takes no other slot."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return [slot for _, slot in pinned]
+            back: list[int] = []
+            room = limit - len(session.holds) - session.acquired.total()
+            for block_hash, slot in pinned:
+                held = session.holds.get(block_hash)
+                if held is not None and held.slot == slot:
+                    held.pins += 1
+                    held.until = until
+                elif held is None and room > 0:
+                    session.holds[block_hash] = Hold(slot, 1, until)
+                    room -= 1
+                else:
+                    back.append(slot)
+            return back
+
+    def take_holds(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
+        """Ends one pin of each hold on ``hashes`` (their acquire has pinned them), of the
+        session and of every session of its engine on its layout (the engine's scheduler looks
+        up, its workers acquire); returns the slots to unpin."""
+        with self._lock:
+            caller = self._sessions.get(session_id)
+            if caller is None:
+                return []
+            taken: list[int] = []
+            for session in self._group_of(caller):
+                for block_hash in hashes:
+                    held = session.holds.get(block_hash)
+                    if held is None:
+                        continue
+                    taken.append(held.slot)
+                    held.pins -= 1
+                    if held.pins == 0:
+                        del session.holds[block_hash]
+            return taken
+
+    def _group_of(self, caller: Session) -> list[Session]:
+        """The caller and, when it names an engine group, that group's sessions on its
+        layout; call with the lock held."""
+        if not caller.engine_group:
+            return [caller]
+        return [
+            s
+            for s in self._sessions.values()
+            if s is caller or (s.engine_group == caller.engine_group and s.layout == caller.layout)
+        ]
+
+    def expire_holds(self, now: float) -> list[tuple[bytes, list[int]]]:
+        """Ends every hold past its deadline; returns (layout, slots) to unpin."""
+        expired: list[tuple[bytes, list[int]]] = []
+        with self._lock:
+            for session in self._sessions.values():
+                late = [h for h, held in session.holds.items() if held.until <= now]
+                if late:
+                    expired.append((session.layout, _unpins(session.holds.pop(h) for h in late)))
+        return expired
+
     # ---- slot ownership ----
 
     def take_reserved(self, session_id: str, slots: Sequence[int], peer: str = "") -> Session:
@@ -246,13 +334,15 @@ class SessionTable:
                     del session.acquired[slot]
             return session
 
-    def held(self, layout: bytes | None = None) -> tuple[int, int, int]:
-        """(sessions, reserved, acquired) slot references held, of one layout or all."""
+    def held(self, layout: bytes | None = None) -> tuple[int, int, int, int]:
+        """(sessions, reserved, acquired, held by lookups) slot references, of one layout or
+        all."""
         with self._lock:
             mine = [s for s in self._sessions.values() if layout is None or s.layout == layout]
             reserved = sum(len(s.reserved) for s in mine)
             acquired = sum(s.acquired.total() for s in mine)
-        return len(mine), reserved, acquired
+            holds = sum(len(s.holds) for s in mine)
+        return len(mine), reserved, acquired, holds
 
     def _renew(self, session_id: str, peer: str) -> Session:
         session = self._sessions.get(session_id)
@@ -271,4 +361,10 @@ def _leftovers(session: Session) -> Leftovers:
         list(session.acquired.elements()),
         session.client_pid,
         session.client_pid_ns,
+        _unpins(session.holds.values()),
     )
+
+
+def _unpins(holds) -> list[int]:
+    """Each hold's slot once per pin it keeps."""
+    return [held.slot for held in holds for _ in range(held.pins)]

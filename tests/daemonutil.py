@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,15 @@ def load(client: DaemonClient, hashes: list[bytes]) -> list[bytes]:
     finally:
         client.release(slots)
     return hashes[: len(slots)]
+
+
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Polls ``condition`` until it holds (things happen asynchronously); fails the test after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def pid_alive(pid: int) -> bool:

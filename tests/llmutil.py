@@ -24,6 +24,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
 CLOSE_TIMEOUT_S = 60.0
 LOG_TAIL_CHARS = 6000
+STACKS_TIMEOUT_S = 30.0
 
 # Labels vLLM puts on every metric; ``EngineProcess.metrics`` keys leave them out.
 _ENGINE_LABELS = ("engine", "model_name")
@@ -174,8 +177,11 @@ class EngineProcess:
         answer came within ``timeout`` seconds (the engine is then killed)."""
         method, self._in_flight = self._in_flight, None
         if not self._conn.poll(timeout):
+            stacks = self.stacks()
             self.kill()
-            raise EngineError(f"{method}: no answer in {timeout:.0f} s\n{self.log_tail()}")
+            raise EngineError(
+                f"{method}: no answer in {timeout:.0f} s\n{stacks}\n{self.log_tail()}"
+            )
         try:
             status, value = self._conn.recv()
         except EOFError:
@@ -237,12 +243,45 @@ class EngineProcess:
         self._proc.join(CLOSE_TIMEOUT_S)
         self._conn.close()
 
+    def stacks(self) -> str:
+        """Every thread's Python stack in the engine's processes (by py-spy, where it is
+        installed), so that a hang names its own cause."""
+        py_spy = Path(sys.executable).with_name("py-spy")
+        if not py_spy.exists():
+            return "(py-spy is not installed: no stacks)"
+        dumps = []
+        for pid in _group_pids(self._proc.pid):
+            try:
+                done = subprocess.run(
+                    [str(py_spy), "dump", "--pid", str(pid)],
+                    capture_output=True,
+                    text=True,
+                    timeout=STACKS_TIMEOUT_S,
+                )
+                dumps.append(f"--- stacks of pid {pid} ---\n{done.stdout}{done.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                dumps.append(f"--- no stacks of pid {pid}: {exc}")
+        return "\n".join(dumps)
+
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return f"(no engine log at {self.log_path})"
         return f"--- last of {self.log_path} ---\n{text[-chars:]}"
+
+
+def _group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (from /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
 
 
 # ---------------------------------------------------------------- the child

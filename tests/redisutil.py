@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Callable
 
@@ -12,6 +11,8 @@ from redis.crc import key_slot
 
 from kvtier.bench.redis_server import RedisProcess
 from kvtier.tiers.remote import RemoteSettings
+
+from daemonutil import wait_until
 
 SIGNATURE = bytes(range(16))
 BLOCK_BYTES = 64 << 10
@@ -33,14 +34,6 @@ def block_hash(tag: str, i: int) -> bytes:
 def content(block_hash: bytes, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
     rng = np.random.default_rng(int.from_bytes(block_hash[:8], "little"))
     return rng.integers(0, 256, block_bytes, dtype=np.uint8)
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Polls ``condition`` until it holds; fails the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def store(tier, hashes: list[bytes], meta: Callable[[bytes], bytes] = lambda h: b"") -> list[bool]:

@@ -10,17 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from daemonutil import BLOCK_BYTES, Daemon, block_hash, content, load, store
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, content, load, store, wait_until
 
 HOST_SLOTS = 32
-
-
-def poll(condition, what: str, timeout: float = 60.0) -> None:
-    """Waits for ``condition()`` (the daemon reacts asynchronously); fails after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def hold(target: str, mode: str, hashes: list[bytes], ready) -> None:
@@ -64,7 +56,7 @@ def test_client_killed_mid_transfer_leaks_nothing(daemon, mode):
     assert (held.reserved_slots, held.acquired_slots) == ((8, 0) if mode == "store" else (0, 8))
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(30)
-    poll(lambda: daemon.stats().sessions == 1, "the victim's session to end")
+    wait_until(lambda: daemon.stats().sessions == 1, "the victim's session to end")
     after = daemon.stats()
     assert (after.reserved_slots, after.acquired_slots) == (0, 0)
     if mode == "store":
@@ -75,7 +67,7 @@ def test_client_killed_mid_transfer_leaks_nothing(daemon, mode):
     assert load(client, hashes) == hashes
     # every slot is free or evictable once the disk writes are done: a full arena of new
     # blocks finds room (in two sessions, as one may hold at most half of the slots)
-    poll(lambda: writing_behind(daemon) == 0, "the disk writer to catch up")
+    wait_until(lambda: writing_behind(daemon) == 0, "the disk writer to catch up")
     other = daemon.client()
     for who, half in ((client, 0), (other, 1)):
         fresh = [block_hash(f"fill-{mode}-{half}", i) for i in range(HOST_SLOTS // 2)]
@@ -152,13 +144,13 @@ def test_daemon_killed_under_write_load_serves_nothing_wrong_and_keeps_the_flush
         ]
         for w in writers:
             w.start()
-        poll(lambda: len(committed(logs)) >= 160, "writers to commit 160 blocks", 90)
+        wait_until(lambda: len(committed(logs)) >= 160, "writers to commit 160 blocks", 90)
         go.clear()
-        poll(lambda: all(e.is_set() for e in idle), "the writers to pause")
-        poll(lambda: writing_behind(d) == 0, "the disk writer to catch up", 60)
+        wait_until(lambda: all(e.is_set() for e in idle), "the writers to pause")
+        wait_until(lambda: writing_behind(d) == 0, "the disk writer to catch up", 60)
         flushed = committed(logs)
         go.set()
-        poll(lambda: len(committed(logs)) >= len(flushed) + 80, "80 more commits", 90)
+        wait_until(lambda: len(committed(logs)) >= len(flushed) + 80, "80 more commits", 90)
         d.kill(signal.SIGKILL)
         for w in writers:
             w.kill()

@@ -121,3 +121,33 @@ def test_bad_input():
         host.reserve([b"short"])
     with pytest.raises(ValueError):
         host.abort([99])
+
+
+def test_a_promotion_waits_for_a_slot_to_come_free(tmp_path):
+    """Every slot pinned by reads when a disk hit is acquired: the promotion takes the first
+    slot a release gives back instead of failing the engine's load at once."""
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
+    try:
+        host = HostTier(BLOCK, BLOCK * 2, lower=disk)
+        disk.put(h(9), np.full(BLOCK, 9, dtype=np.uint8))
+        store(host, 1)
+        store(host, 2)
+        pinned = host.acquire([h(1), h(2)])
+        take_slot = host._take_slot
+        releaser: list[threading.Thread] = []
+
+        def full_once():
+            slot = take_slot()
+            if slot is None and not releaser:
+                # the release needs the tier's lock, which the promotion gives up only to wait
+                releaser.append(threading.Thread(target=host.release, args=(pinned[:1],)))
+                releaser[0].start()
+            return slot
+
+        host._take_slot = full_once
+        slots = host.acquire([h(9)])
+        releaser[0].join()
+        assert len(slots) == 1 and int(host.slot_array(slots[0])[0]) == 9
+        host.release(slots + pinned[1:])
+    finally:
+        disk.close()

@@ -419,15 +419,25 @@ def test_abort_during_async_load_keeps_engine_alive(
         daemon.cleanup()
 
 
+ADMISSION_WAIT_S = 60.0
+"""Hang guard: how long a victim may wait for its lookup's answer before vLLM schedules it."""
+
+
 def abort_while_loading(engine: EngineProcess) -> str:
-    """Adds a request whose kvtier blocks load asynchronously, steps the engine once, and
-    aborts the request while vLLM still waits for its load. The load runs on a helper thread,
-    so it may already be reported after that one step; then the next victim is tried."""
+    """Adds a request whose kvtier blocks load asynchronously, steps the engine until vLLM
+    waits for that load (its lookup is asked without waiting, so that takes a step or a few),
+    and aborts the request while the load is still in flight. The load runs on a helper
+    thread, so it may already be reported by then; then the next victim is tried."""
     for i, prompt in enumerate(ABORT_VICTIM):
         req_id = f"victim-{i}"
         engine.add(req_id, prompt, 8)
-        engine.step()
-        state = engine.request_state(req_id)
+        deadline = time.monotonic() + ADMISSION_WAIT_S
+        while True:
+            engine.step()
+            state = engine.request_state(req_id)
+            if state["status"] != "WAITING" or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)  # the lookup's answer is on its way
         if state["status"] == "WAITING_FOR_REMOTE_KVS" and not state["load_received"]:
             assert state["num_computed_tokens"] >= len(ABORT_SHARED), state
             engine.abort([req_id])

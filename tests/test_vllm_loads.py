@@ -3,9 +3,13 @@
 A session may hold at most half the host slots, and a hit may be several times the whole
 host tier when most of it lies on disk. The worker asks for one chunk the session has room
 for, copies it, releases it, then asks for the next; the fake forward pass checks every byte.
+A load that never finds room gives up its remaining blocks rather than keep its request
+waiting.
 """
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 
@@ -13,6 +17,10 @@ pytest.importorskip("vllm")
 
 import test_vllm_connector as harness
 from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
+
+from kvtier.connector.vllm_loads import STARVED_S, StreamedLoad
+from kvtier.connector.vllm_metadata import LoadSpec
+from kvtier.tiers.transfer import Transfer
 
 from daemonutil import Daemon
 
@@ -50,3 +58,54 @@ def test_an_async_hit_three_times_the_host_tier_loads_whole(make_engine, daemon)
     assert second.checked_tokens >= 3 * HOST_SLOTS * BLOCK  # every loaded byte was read back
     assert_scheduler_empty(second.scheduler)
     harness.assert_daemon_holds_nothing(second, daemon)
+
+
+# ---- one streamed load on its own ----
+def answered(slots: list[int]) -> Future[list[int]]:
+    future: Future[list[int]] = Future()
+    future.set_result(slots)
+    return future
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.copied: list[tuple[list[int], list[int]]] = []
+        self.failed: list[int] = []
+
+    def acquire(self, hashes):
+        self.asked.append(len(hashes))
+        return answered(list(range(100, 100 + len(hashes))))
+
+    def copy(self, slots, block_ids):
+        self.copied.append((slots, block_ids))
+        return Transfer(len(slots), 0)
+
+    def fail(self, spec, block_ids):
+        self.failed += block_ids
+
+
+def make_load(blocks: int) -> StreamedLoad:
+    spec = LoadSpec(req_id="r", block_ids=list(range(blocks)), hashes=(), sync=False)
+    return StreamedLoad(spec, [bytes([i]) * 16 for i in range(blocks)])
+
+
+def test_a_load_goes_chunk_by_chunk_within_the_room():
+    load, rec = make_load(5), Recorder()
+    for _ in range(8):  # each chunk: one step asks, a later one copies
+        load.advance(rec.acquire, rec.copy, rec.fail, room=2, chunk=4, now=0.0)
+    assert rec.asked == [2, 2, 1]
+    assert [ids for _, ids in rec.copied] == [[0, 1], [2, 3], [4]]
+    assert load.landed and not rec.failed
+
+
+def test_a_load_without_room_gives_up_its_blocks_after_a_while():
+    load, rec = make_load(6), Recorder()
+    load.advance(rec.acquire, rec.copy, rec.fail, room=2, chunk=4, now=0.0)
+    for _ in range(3):  # the first chunk is copied; then there is no room
+        load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0)
+    load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + STARVED_S / 2)
+    assert not load.landed and not rec.failed  # still waiting for room
+    load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + STARVED_S)
+    assert load.landed
+    assert rec.failed == [2, 3, 4, 5]  # what was copied stays; vLLM recomputes the rest

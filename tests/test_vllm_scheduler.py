@@ -528,8 +528,9 @@ def test_tp_load_error_on_one_rank_rewinds_stores(make_tp_engine) -> None:
 
 @pytest.fixture
 def small_daemon():
-    """A daemon whose host tier holds 16 blocks and has no disk tier, so a flood evicts."""
-    d = Daemon(host_bytes=16 * BLOCK_BYTES, disk_bytes=0)
+    """A daemon whose host tier holds 16 blocks and has no disk tier, so a flood evicts; its
+    lookups hold nothing for the acquire (they would keep the flood from evicting)."""
+    d = Daemon(host_bytes=16 * BLOCK_BYTES, disk_bytes=0, extra=["--lookup-hold-s", "0"])
     d.start()
     yield d
     d.cleanup()

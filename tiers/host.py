@@ -18,6 +18,7 @@ partly in this tier never cascades through the disk on its next acquire.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -38,6 +39,8 @@ from kvtier.tiers.pinned import allocate_host
 
 MAX_META_BYTES = 4096
 """Most bytes of engine metadata one block may carry."""
+PROMOTE_WAIT_S = 0.25
+"""Most a promotion waits for a host slot to come free when every slot is in use."""
 
 EventFn = Callable[[str, BlockHash, bytes], None]
 
@@ -86,7 +89,8 @@ class HostTier:
         self.counters.capacity_bytes = num_slots * block_bytes
         self._on_event = on_event
         self._lock = threading.Lock()
-        self._promoted = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
+        """Notified when a promotion ends or a slot may have come free."""
         self._slots = SlotTable(num_slots)
         self._promoting: set[int] = set()
         self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
@@ -102,18 +106,33 @@ class HostTier:
 
         The host and disk part is one consistent walk under the lock; what neither holds is
         asked of the remote tier in one batched call, outside the lock (it is a network call).
+        The host hits become the most recently used (the prefix's head last), so that other
+        promotions meanwhile evict colder blocks and the acquire that follows finds here what
+        this answer says is here.
         """
+        return self._lookup(hashes, hold=False)[0]
+
+    def lookup_holding(
+        self, hashes: Sequence[BlockHash]
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
+        """``lookup``, and its host hits pinned (as by ``acquire``) in the same critical
+        section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
+        return self._lookup(hashes, hold=True)
+
+    def _lookup(
+        self, hashes: Sequence[BlockHash], hold: bool
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
         for h in hashes:
             check_hash(h)
         hits = LowerHits()
         pos, n = 0, len(hashes)
-        resident: list[int] = []
+        resident: list[tuple[BlockHash, int]] = []
         with self._lock:
             table = self._slots
             while pos < n:
                 slot = table.ready_slot(hashes[pos])
                 if slot is not None:
-                    resident.append(slot)
+                    resident.append((hashes[pos], slot))
                     pos += 1
                     continue
                 run = self.lower.lookup_prefix(hashes[pos:]) if self.lower else 0
@@ -122,19 +141,19 @@ class HostTier:
                 for h in hashes[pos : pos + run]:
                     slot = table.ready_slot(h)
                     if slot is not None:
-                        resident.append(slot)
+                        resident.append((h, slot))
                     else:
                         hits.disk += 1
                 pos += run
-            # An answer is followed by an acquire: make these the most recently used (the
-            # prefix's head last), so that other promotions meanwhile evict colder blocks and
-            # the acquire finds here what this answer says is here.
-            for slot in reversed(resident):
-                table.touch(slot)
+            for _, slot in reversed(resident):
+                if hold:
+                    table.pin(slot)
+                else:
+                    table.touch(slot)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
-        return hits
+        return hits, resident if hold else []
 
     @property
     def writing_behind(self) -> int:
@@ -280,6 +299,7 @@ class HostTier:
                     raise ValueError(f"slot {slot} released more often than acquired")
             for slot in reversed(slots):
                 self._slots.unpin(slot)
+            self._changed.notify_all()
 
     def spill_all(self) -> int:
         """Copies every committed block the disk tier lacks into it (graceful shutdown).
@@ -321,23 +341,33 @@ class HostTier:
         return self._promote_remote(hashes[pos:end], sources)
 
     def _acquire_one(self, block_hash: BlockHash) -> int | None:
-        """Promotes one disk hit into a pinned slot, or None."""
+        """Promotes one disk hit into a pinned slot, or None.
+
+        When every slot is in use (pinned by reads, writes behind or reservations), it waits
+        up to ``PROMOTE_WAIT_S`` for one to come free: those end within milliseconds, and a
+        hit the engine was promised is worth that wait more than a recompute.
+        """
+        deadline = time.monotonic() + PROMOTE_WAIT_S
         with self._lock:
             while True:
                 slot = self._slots.index.get(block_hash)
-                if slot is None:
+                if slot is not None:
+                    if self._slots.state[slot] == READY:
+                        self._slots.pin(slot)  # another caller promoted it meanwhile
+                        return slot
+                    if slot not in self._promoting:
+                        return None  # a store still being written is not readable yet
+                    self._changed.wait()  # another caller is promoting it: its read is short
+                    continue
+                if self.lower is None or not self.lower.contains(block_hash):
+                    return None
+                slot = self._take_slot()
+                if slot is not None:
                     break
-                if self._slots.state[slot] == READY:
-                    self._slots.pin(slot)  # another caller promoted it meanwhile
-                    return slot
-                if slot not in self._promoting:
-                    return None  # a store still being written is not readable yet
-                self._promoted.wait()  # another caller is promoting this hash: its read is short
-            if self.lower is None or not self.lower.contains(block_hash):
-                return None
-            slot = self._take_slot()
-            if slot is None:
-                return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._changed.wait(left)
             self._claim(slot, block_hash, self.lower.get_meta(block_hash) or b"")
             self._promoting.add(slot)
         ok = self.lower.get_into(block_hash, self._slab_np[slot])
@@ -347,7 +377,7 @@ class HostTier:
                 self._ready_promoted(slot)
             else:
                 self._drop(slot)
-            self._promoted.notify_all()
+            self._changed.notify_all()
         return slot if ok else None
 
     def _promote_remote(self, hashes: Sequence[BlockHash], sources: LowerHits) -> list[int]:
@@ -374,7 +404,7 @@ class HostTier:
             for slot in claimed[len(got) :]:
                 self._promoting.discard(slot)
                 self._drop(slot)
-            self._promoted.notify_all()
+            self._changed.notify_all()
         sources.remote += len(got)
         if self.lower is not None:  # a remote hit lands in the disk tier too
             for slot in got:
@@ -396,6 +426,7 @@ class HostTier:
             if left:
                 self._behind_left[slot] = left
             self._slots.unpin(slot)
+            self._changed.notify_all()
 
     def _claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
         self._slots.claim(slot, block_hash, meta)
@@ -406,7 +437,7 @@ class HostTier:
         block_hash = self._slots.drop(slot)
         self.counters.used_blocks -= 1
         self.counters.used_bytes -= self.block_bytes
-        self._promoted.notify_all()
+        self._changed.notify_all()
         return block_hash
 
     def _take_slot(self) -> int | None:

@@ -103,6 +103,7 @@ class RemoteTier:
             threads=settings.connections,
             failures_to_open=settings.failures_to_open,
             probe_interval_s=settings.probe_interval_s,
+            probe_timeout_s=settings.lookup_timeout_s,
         )
         self._writer = RemoteWriter(
             backend,

@@ -4,10 +4,11 @@ Calls to one endpoint run on that endpoint's own threads (as many as it has conn
 slow node ties up only its own; ``fan_out`` runs one batch over every endpoint at once and waits
 at most its timeout. Each route's breaker counts consecutive failed calls (errors and
 timeouts alike); at ``failures_to_open`` it opens and the route's keys are misses at once, with
-no call made. A probe thread pings every open route each ``probe_interval_s`` and closes the
-breaker of one that answers; a route the backend says is gone (the cluster moved its slots
-elsewhere) is forgotten. A call that timed out may still be running: ``Borrow`` keeps it off
-the caller's buffers from then on.
+no call made. A probe thread pings every open route each ``probe_interval_s`` (on the route's
+threads, within the lookup deadline) and closes the breaker of one that answers in time; a
+route the backend says is gone (the cluster moved its slots elsewhere) is forgotten. A call
+that timed out may still be running: ``Borrow`` keeps it off the caller's buffers from then
+on.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Routes:
         threads: int,
         failures_to_open: int,
         probe_interval_s: float,
+        probe_timeout_s: float,
     ) -> None:
         if threads < 1 or failures_to_open < 1 or probe_interval_s <= 0:
             raise ValueError("threads and failures_to_open must be >= 1, probe interval > 0")
@@ -89,6 +91,7 @@ class Routes:
         self._threads = threads
         self._failures_to_open = failures_to_open
         self._probe_interval_s = probe_interval_s
+        self._probe_timeout_s = probe_timeout_s
         self._routes: dict[str, _Route] = {}
         self._stop = threading.Event()
         self._probe = threading.Thread(target=self._probe_loop, name="kvtier-remote-probe")
@@ -217,8 +220,15 @@ class Routes:
     def _probe_loop(self) -> None:
         while not self._stop.wait(self._probe_interval_s):
             for name in self.open_routes():
+                # On the route's own threads and within a call's deadline: a route that
+                # answers a ping only slowly, or whose threads are all stuck, is still down.
+                ping = self.submit(name, self._backend.ping, name)
                 try:
-                    self._backend.ping(name)
+                    ping.result(timeout=self._probe_timeout_s)
+                except TimeoutError:
+                    ping.cancel()
+                    log.debug("%s %s: still down: no answer to a ping", self._backend.name, name)
+                    continue
                 except RouteGone:
                     self._forget(name)
                     continue

@@ -1,0 +1,95 @@
+"""The client against a frozen daemon (SIGSTOP): one deadline, not one per call, and a late
+chunk that costs that chunk only — the session, and the slots it already holds, go on."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, content, load, store, wait_until
+
+TIMEOUT_S = 0.5
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGCONT)
+    d.cleanup()
+
+
+def test_a_frozen_daemon_costs_one_deadline_then_calls_miss_at_once(daemon):
+    client = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("frozen", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(20):
+            assert client.lookup(hashes).total == 0
+        assert client.reserve([block_hash("new", 0)])[0] < 0
+        assert client.acquire(hashes) == []
+        assert client.breaker.trips == 1
+        assert client.breaker.short_circuited >= 21  # only the first call waited
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: not client.breaker.is_open, "the breaker to close")
+    assert load(client, hashes) == hashes
+    assert client.sessions_opened == 1
+    client.close()
+
+
+def test_a_late_acquire_chunk_fails_that_chunk_only(daemon):
+    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+    hashes = [block_hash("chunked", i) for i in range(8)]
+    assert store(client, hashes) == hashes
+    acquire = client._stub.Acquire
+    calls = []
+
+    def first_then_freeze(request, **kwargs):
+        reply = acquire(request, **kwargs)
+        calls.append(len(reply.slots))
+        if len(calls) == 1:
+            daemon.proc.send_signal(signal.SIGSTOP)  # the second chunk will be late
+        return reply
+
+    client._stub.Acquire = first_then_freeze
+    try:
+        slots = client.acquire(hashes)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    client._stub.Acquire = acquire
+    assert calls == [4] and len(slots) == 4  # the first chunk, and nothing of the second
+    wait_until(lambda: not client.breaker.is_open, "the breaker to close")
+    assert client.settle(timeout=30)  # the Cancel of the late chunk was answered
+    assert daemon.stats().acquired_slots == 4  # what the late chunk took came back
+    for h, slot in zip(hashes, slots, strict=False):
+        assert (client.slab[slot].numpy() == content(h)).all()
+    client.release(slots)
+    assert client.settle(timeout=30)
+    assert daemon.stats().acquired_slots == 0
+    assert client.sessions_opened == 1  # the session went on throughout
+    assert load(client, hashes) == hashes
+    client.close()
+
+
+def test_a_new_session_closes_the_breaker(daemon):
+    """A restarted daemon is used from the session that reattaches the client, not from the
+    breaker's next probe (which, here, never succeeds)."""
+    client = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("restart", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+    client.breaker._probe = lambda: False
+    daemon.kill()
+    wait_until(lambda: not client.connected, "the session to be lost")
+    assert client.lookup(hashes).total == 0
+    client.breaker.trip("the daemon is gone")
+    assert client.breaker.is_open
+    daemon.start()
+    wait_until(lambda: client.connected, "the client to reattach")
+    assert not client.breaker.is_open
+    assert client.lookup(hashes).total == len(hashes)  # committed before the kill, on disk
+    client.close()

@@ -1,0 +1,119 @@
+"""A lookup's host hits are held for the acquire that follows: what Lookup calls a host hit,
+Acquire finds in the host tier, however busy the tier is meanwhile — and the hold ends (the
+slots become evictable again) at the acquire, at its deadline, or with the session."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
+
+HOST_SLOTS = 32
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=HOST_SLOTS * BLOCK_BYTES, extra=["--lookup-hold-s", "3"]).start()
+    yield d
+    d.cleanup()
+
+
+def flood(client, tag: str, blocks: int) -> None:
+    """Stores ``blocks`` unrelated blocks in batches, waiting for each batch's disk write, so
+    the host tier's LRU evicts whatever it may."""
+    for start in range(0, blocks, 8):
+        hashes = [block_hash(tag, i) for i in range(start, start + 8)]
+        assert store(client, hashes) == hashes
+        wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+
+
+def test_a_lookup_keeps_its_host_hits_for_the_acquire(daemon):
+    engine, other = daemon.client(client_name="engine"), daemon.client(client_name="other")
+    prefix = [block_hash("prefix", i) for i in range(8)]
+    assert store(engine, prefix) == prefix
+    assert engine.lookup(prefix).host == len(prefix)
+    flood(other, "flood", 4 * HOST_SLOTS)  # four times the host tier, after the lookup
+    slots, sources = engine.acquire_with_sources(prefix)
+    assert (len(slots), sources.host, sources.disk) == (len(prefix), len(prefix), 0)
+    engine.release(slots)
+    assert engine.settle(timeout=30)
+    # The acquire ended the hold: the same flood now pushes the prefix out to disk.
+    flood(other, "again", 4 * HOST_SLOTS)
+    slots, sources = engine.acquire_with_sources(prefix)
+    assert sources.host == 0 and sources.disk == len(prefix)
+    engine.release(slots)
+    engine.close()
+    other.close()
+
+
+def test_a_hold_ends_at_its_deadline_and_with_the_session(daemon):
+    engine, other = daemon.client(client_name="engine"), daemon.client(client_name="other")
+    prefix = [block_hash("deadline", i) for i in range(8)]
+    assert store(engine, prefix) == prefix
+    assert engine.lookup(prefix).host == len(prefix)
+    stats = daemon.stats()
+    assert stats.acquired_slots == 0 and stats.layouts[0].held_slots == len(prefix)
+    wait_until(lambda: daemon.stats().layouts[0].held_slots == 0, "the hold's deadline")
+    flood(other, "after-deadline", 4 * HOST_SLOTS)
+    slots, sources = other.acquire_with_sources(prefix)  # an acquire holds nothing more
+    assert sources.host == 0 and sources.disk == len(prefix)
+    other.release(slots)
+    engine.close()
+    other.close()
+    # A session that ends gives its holds back at once.
+    third = daemon.client(client_name="third")
+    again = [block_hash("closed", i) for i in range(8)]
+    assert store(third, again) == again
+    assert third.lookup(again).host == len(again)
+    third.close()
+    fourth = daemon.client(client_name="fourth")
+    flood(fourth, "after-close", 4 * HOST_SLOTS)
+    assert fourth.lookup(again).host == 0
+    assert load(fourth, again) == again  # from disk, exact
+    fourth.close()
+
+
+def test_an_acquire_ends_the_holds_of_its_engine_only(daemon):
+    """The engine's scheduler looks up and its worker acquires: the worker's acquire ends the
+    scheduler's holds (else they would pin host slots the disk hits need until the deadline),
+    while another engine's acquire of the same blocks leaves them held."""
+    scheduler = daemon.client(client_name="scheduler", engine_group="engine-a")
+    worker = daemon.client(client_name="worker", engine_group="engine-a")
+    stranger = daemon.client(client_name="stranger", engine_group="engine-b")
+    prefix = [block_hash("group", i) for i in range(8)]
+    assert store(worker, prefix) == prefix
+    assert scheduler.lookup(prefix).host == len(prefix)
+    assert daemon.stats().layouts[0].held_slots == len(prefix)
+
+    slots = stranger.acquire(prefix)
+    assert len(slots) == len(prefix)
+    stranger.release(slots)
+    assert stranger.settle(timeout=30)
+    assert daemon.stats().layouts[0].held_slots == len(prefix)
+
+    slots = worker.acquire(prefix[:5])
+    assert len(slots) == 5
+    assert daemon.stats().layouts[0].held_slots == len(prefix) - 5
+    worker.release(slots)
+    for client in (scheduler, worker, stranger):
+        client.close()
+
+
+def test_two_lookups_of_a_prefix_hold_it_for_two_acquires(daemon):
+    """Two requests sharing a prefix are both told it is in the host tier: the first one's
+    acquire must leave it held for the second's."""
+    scheduler = daemon.client(client_name="scheduler", engine_group="engine")
+    worker = daemon.client(client_name="worker", engine_group="engine")
+    prefix = [block_hash("shared", i) for i in range(6)]
+    assert store(worker, prefix) == prefix
+    assert scheduler.lookup(prefix).host == len(prefix)
+    assert scheduler.lookup(prefix[:4]).host == 4  # the second request's shorter prompt
+    first = worker.acquire(prefix)
+    worker.release(first)
+    assert worker.settle(timeout=30)
+    assert daemon.stats().layouts[0].held_slots == 4
+    second = worker.acquire(prefix[:4])
+    worker.release(second)
+    assert daemon.stats().layouts[0].held_slots == 0
+    scheduler.close()
+    worker.close()
