@@ -48,6 +48,7 @@ from kvtier.connector.vllm_metadata import KVTierMetadata
 from daemonutil import Daemon
 
 MAX_STEPS = 500
+BLOCKS_PER_GROUP = 48
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class ModelEngine:
         model: Model,
         monkeypatch,
         *,
-        num_blocks: int = 96,
+        num_blocks: int | None = None,
         max_batched_tokens: int = 512,
         **extra,
     ):
@@ -139,6 +140,10 @@ class ModelEngine:
         self.vllm_config.cache_config.block_size = model.block_size
         self.vllm_config.parallel_config.tensor_parallel_size = model.tp
         groups = get_kv_cache_groups(self.vllm_config, dict(model.layers))
+        if num_blocks is None:
+            # vLLM admits a prompt computed in one step only when every group's blocks for it
+            # fit in the one pool the groups share: room for 48 blocks a group.
+            num_blocks = BLOCKS_PER_GROUP * len(groups)
         # Groups overlay one another: a block is as large as the largest group's pages.
         block_bytes = max(
             sum(model.layers[name].page_size_bytes for name in group.layer_names)
