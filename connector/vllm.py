@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm_config import KVTierConfig, check_load_failure_policy
@@ -90,6 +91,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        model = vllm_config.model_config
+        if model is not None and model.use_mla and current_platform.is_cpu():
+            # vLLM's CPU MLA backend declares no layouts (so vLLM would take ours) but writes
+            # a layer's cache through `.view(-1, latent)`, which a block-outermost layout's
+            # strided per-layer view refuses: leave it vLLM's default, layer by layer.
+            return None
         return REQUIRED_KV_CACHE_LAYOUT
 
     @classmethod

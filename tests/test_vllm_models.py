@@ -18,6 +18,7 @@ import json
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import xxhash
@@ -37,6 +38,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+import kvtier.connector.vllm as connector_module
+from kvtier.connector.vllm import KVTierConnector
 from kvtier.connector.vllm_groups import groups_from_kv_cache_config
 from kvtier.connector.vllm_metadata import KVTierMetadata, pack, unpack
 
@@ -357,3 +360,12 @@ def test_mamba_is_refused_with_the_reason():
 def test_context_parallelism_is_refused():
     with pytest.raises(ValueError, match="context parallelism"):
         groups_from_kv_cache_config(None, dcp_world=2)
+
+
+@pytest.mark.parametrize(("use_mla", "want"), [(True, None), (False, "BLHNC")])
+def test_cpu_mla_keeps_vllms_kv_cache_layout(monkeypatch, use_mla, want):
+    """vLLM's CPU MLA backend views a layer's cache as one contiguous tensor: kvtier must not
+    ask for the block-outermost layout there (the engine would fail its first step)."""
+    monkeypatch.setattr(connector_module.current_platform, "is_cpu", lambda: True)
+    config = SimpleNamespace(model_config=SimpleNamespace(use_mla=use_mla))
+    assert KVTierConnector.get_required_kvcache_layout(config) == want
