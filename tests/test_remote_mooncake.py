@@ -140,9 +140,27 @@ def test_a_foreign_value_is_a_counted_miss(mooncake_store):
         tier.close()
 
 
+def test_a_store_without_room_drops_blocks_and_keeps_its_route_open():
+    ms = MooncakeStore()
+    ms.start_master()  # no storage process yet: no segment, no room
+    tier = RemoteConfig(ms.url, settings=FAST).open_tier(SIGNATURE, BLOCK_BYTES)
+    hashes = [block_hash("no-room", i) for i in range(3)]
+    try:
+        for _ in range(3):  # FAST opens the breaker after two failed calls
+            assert store(tier, hashes) == [False] * 3
+        assert tier.counters.breaker_trips == 0 and tier.open_routes() == []
+        ms.start_storage()
+        wait_until(lambda: store(tier, hashes) == [True] * 3, "the storage process to mount")
+        assert_exact(hashes, fetch(tier, hashes)[1])
+    finally:
+        tier.close()
+        ms.close()
+
+
 def test_master_killed_gives_misses_opens_the_breaker_and_recovers(mooncake_store):
     tier = open_tier(mooncake_store)
     hashes = [block_hash("master", i) for i in range(4)]
+    trips = tier.counters.breaker_trips
     try:
         store(tier, hashes)
         mooncake_store.kill("master")
@@ -152,7 +170,7 @@ def test_master_killed_gives_misses_opens_the_breaker_and_recovers(mooncake_stor
         dropped = []
         tier.write_behind(hashes[0], b"\0" * BLOCK_BYTES, b"", dropped.append)
         assert dropped == [False]
-        assert tier.counters.fault_misses > 0 and tier.counters.breaker_trips == 1
+        assert tier.counters.fault_misses > 0 and tier.counters.breaker_trips == trips + 1
 
         mooncake_store.start_master()  # the storage process joins the new master
         wait_until(lambda: not tier.open_routes(), "the probe to close the breaker")

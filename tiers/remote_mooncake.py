@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 _HAS_LEASE = -706  # OBJECT_HAS_LEASE: read moments ago; removal waits for the lease
+_NO_ROOM = -200  # NO_AVAILABLE_HANDLE: no mounted segment has room (yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +97,12 @@ class MooncakeBackend(RemoteBackend):
     def put(self, route: str, items: Sequence[tuple[bytes, Sequence[Any]]]) -> list[bool]:
         store = self._connected(route)
         codes = [store.put_parts(key.decode("ascii"), *parts) for key, parts in items]
-        if codes and all(code < 0 for code in codes):
+        # A store without room answers, so its route is healthy: the block is only dropped.
+        faults = [code for code in codes if code < 0 and code != _NO_ROOM]
+        if faults and len(faults) == len(codes):
             raise RemoteError(f"{self.name}: puts failed: {codes}")
-        for code in codes:
-            if code < 0:
-                log.warning("%s: a put failed with %d", self.name, code)
+        for code in faults:
+            log.warning("%s: a put failed with %d", self.name, code)
         return [code == 0 for code in codes]
 
     def delete(self, route: str, keys: Sequence[bytes]) -> None:
