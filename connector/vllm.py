@@ -10,7 +10,9 @@ Load it with::
 vLLM builds the class once per role. The scheduler role (``vllm_scheduler.SchedulerSide``)
 looks up hashes and plans loads and stores; the worker role (``vllm_worker.WorkerSide``)
 copies blocks. This module only routes vLLM's calls to the side that serves them; the keys of
-``kv_connector_extra_config`` are in ``vllm_config.KVTierConfig``.
+``kv_connector_extra_config`` are in ``vllm_config.KVTierConfig``. It supports vLLM's hybrid
+KV cache manager (``SupportsHMA``): each KV cache group is stored and loaded on its own
+(``vllm_groups``).
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm_config import KVTierConfig, check_load_failure_policy
-from kvtier.connector.vllm_layout import REQUIRED_KV_CACHE_LAYOUT, layout_from_kv_cache_config
+from kvtier.connector.vllm_groups import groups_from_kv_cache_config
+from kvtier.connector.vllm_layout import REQUIRED_KV_CACHE_LAYOUT
 from kvtier.connector.vllm_metadata import KVTierMetadata
 from kvtier.connector.vllm_scheduler import SchedulerSide
 from kvtier.connector.vllm_stats import KVTierPromMetrics, KVTierStats
@@ -39,7 +45,7 @@ __all__ = ["KVTierConnector"]
 log = logging.getLogger(__name__)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """kvtier's host and disk tiers behind vLLM's GPU prefix cache."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -48,7 +54,14 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         check_load_failure_policy(self._kv_transfer_config)
         config = KVTierConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
+        parallel = vllm_config.parallel_config
+        tp_world = parallel.tensor_parallel_size
+        groups = groups_from_kv_cache_config(
+            kv_cache_config,
+            tp_world,
+            getattr(parallel, "decode_context_parallel_size", 1),
+            getattr(parallel, "prefill_context_parallel_size", 1),
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         # vLLM gives every engine an id its scheduler and workers share: the worker's acquire
@@ -56,18 +69,17 @@ class KVTierConnector(KVConnectorBase_V1):
         group = self._kv_transfer_config.engine_id or ""
         if role == KVConnectorRole.SCHEDULER:
             model_id = config.model_id or vllm_config.model_config.model
-            tp_world = vllm_config.parallel_config.tensor_parallel_size
             hash_block_size = kv_cache_config.hash_block_size  # None: vLLM's block size
             self._scheduler = SchedulerSide(
-                config, layout, model_id, tp_world, hash_block_size, engine_group=group
+                config, groups, model_id, tp_world, hash_block_size, engine_group=group
             )
         else:
-            self._worker = WorkerSide(config, layout, layer_names, _tp_rank(), engine_group=group)
+            self._worker = WorkerSide(config, groups, _tp_rank(), engine_group=group)
         log.info(
-            "KVTierConnector (%s): daemon %s, layout %s, store %s, %s loads",
+            "KVTierConnector (%s): daemon %s, %s, store %s, %s loads",
             role.name,
             config.target(),
-            layout.describe(),
+            "; ".join(f"group {g.index} {g.kind}: {g.layout.describe()}" for g in groups),
             config.store_policy,
             "async" if config.load_async else "sync",
         )
@@ -79,6 +91,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        model = vllm_config.model_config
+        if model is not None and model.use_mla and current_platform.is_cpu():
+            # vLLM's CPU MLA backend declares no layouts (so vLLM would take ours) but writes
+            # a layer's cache through `.view(-1, latent)`, which a block-outermost layout's
+            # strided per-layer view refuses: leave it vLLM's default, layer by layer.
+            return None
         return REQUIRED_KV_CACHE_LAYOUT
 
     @classmethod
@@ -134,6 +152,13 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
@@ -167,7 +192,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self.scheduler.request_finished(request, block_ids), None
+        return self.scheduler.request_finished(request, [block_ids]), None
+
+    def request_finished_all_groups(
+        self, request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        return self.scheduler.request_finished(request, list(block_ids)), None
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()

@@ -1,9 +1,11 @@
 """Lookups of a request's blocks that never make vLLM's scheduler wait.
 
-A ``Lookup`` asks the daemon, for every tensor-parallel rank at once and without waiting,
-how many of blocks ``[start, end)`` of one request it holds. The scheduler keeps one per
-request and asks again only when the question changes (vLLM's own GPU hit moved ``start``,
-or the request's tokens moved ``end``); until the answers are in it tells vLLM to ask later.
+A ``Lookup`` asks the daemon, for every KV cache group and tensor-parallel shard at once and
+without waiting, which of the request's blocks from token ``start`` to ``end`` it holds, and
+settles on the longest hit every group can serve (``vllm_hits``). The scheduler keeps one
+per request and asks again only when the question changes (vLLM's own GPU hit moved
+``start``, or the request's tokens moved ``end``); until the answer is in it tells vLLM to
+ask later.
 """
 
 from __future__ import annotations
@@ -11,27 +13,32 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvtier.connector.client import DaemonClient
-from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host import LowerHits
+from kvtier.connector.vllm_hits import Ask, Chain, Hit, HitSearch
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 @dataclass(slots=True, eq=False)
 class Lookup:
-    """The daemon's answers about blocks ``[start, end)`` of one request, one per rank."""
+    """The daemon's answer about tokens ``[start, end)`` of one request."""
 
     start: int
     end: int
-    answers: list[Future[LowerHits]]
+    search: HitSearch
     asked_at: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def ask(
-        cls, client: DaemonClient, per_rank: list[list[BlockHash]], start: int, end: int
-    ) -> Lookup:
-        """Asks about ``per_rank[r]``, rank r's hashes of blocks ``[start, end)``."""
-        return cls(start, end, [client.lookup_async(hashes) for hashes in per_rank])
+    def ask(cls, ask: Ask, chains: Sequence[Chain], start: int, end: int, align: int) -> Lookup:
+        """Asks about every chain's blocks in ``[start, end)`` (tokens, multiples of
+        ``align``)."""
+        return cls(start, end, HitSearch(chains, start, end, align, ask))
+
+    @property
+    def answers(self) -> list[Future[Hit]]:
+        return [self.search.result]
 
     def stale(self, hold_s: float) -> bool:
         """Whether the answer is older than half the daemon holds a lookup's host hits: the
@@ -39,17 +46,12 @@ class Lookup:
         return hold_s > 0 and self.done() and time.monotonic() - self.asked_at > hold_s / 2
 
     def done(self) -> bool:
-        return all(answer.done() for answer in self.answers)
+        return self.search.result.done()
 
-    def hits(self) -> LowerHits:
-        """What every rank holds: the shortest rank's prefix, split by tier as rank 0 holds it
-        (vLLM counts each token once, whatever the number of ranks)."""
-        per_rank = [answer.result() for answer in self.answers]
-        total = min(hits.total for hits in per_rank)
-        first = per_rank[0]
-        host = min(first.host, total)
-        disk = min(first.disk, total - host)
-        return LowerHits(host=host, disk=disk, remote=total - host - disk)
+    def hits(self) -> Hit:
+        """What every group and shard can serve, split by tier as the first full-attention
+        group holds it (vLLM counts each token once)."""
+        return self.search.result.result()
 
 
 class Lookups:

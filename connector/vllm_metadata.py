@@ -1,8 +1,9 @@
 """What the scheduler-side connector tells the workers each step.
 
-A load or a store names vLLM block ids and, per tensor-parallel rank, the kvtier hashes of
-those blocks packed 16 bytes each (every rank stores its own shard under its own namespace).
-Plain dataclasses of lists and bytes, so the metadata pickles cheaply to worker processes.
+A load or a store names one KV cache group's vLLM block ids and, per tensor-parallel shard of
+that group's KV, the kvtier hashes of those blocks packed 16 bytes each (ranks holding one
+shard share its namespace; see ``vllm_groups``). One spec per request and group. Plain
+dataclasses of lists and bytes, so the metadata pickles cheaply to worker processes.
 """
 
 from __future__ import annotations
@@ -16,24 +17,28 @@ from kvtier.tiers.hashing import HASH_BYTES, BlockHash
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Copy the blocks named ``hashes[rank]`` from the daemon into ``block_ids``."""
+    """Copy the blocks named ``hashes[shard]`` from the daemon into ``block_ids``."""
 
     req_id: str
     block_ids: list[int]
     hashes: tuple[bytes, ...]
     sync: bool
     """True: the request runs this step, so the copy lands before its forward pass."""
+    group: int = 0
+    """The KV cache group of ``block_ids``."""
 
 
 @dataclass(slots=True)
 class StoreSpec:
-    """Copy the newly full ``block_ids`` into the daemon under ``hashes[rank]``."""
+    """Copy the newly full ``block_ids`` into the daemon under ``hashes[shard]``."""
 
     req_id: str
     block_ids: list[int]
     hashes: tuple[bytes, ...]
     parents: tuple[bytes, ...]
-    """Per rank, the parent hash of each block (for the daemon's block events)."""
+    """Per shard, the parent hash of each block (for the daemon's block events)."""
+    group: int = 0
+    """The KV cache group of ``block_ids``."""
 
 
 @dataclass
@@ -48,6 +53,10 @@ class KVTierMetadata(KVConnectorMetadata):
     hold: set[str] = field(default_factory=set)
     """Finished requests whose blocks vLLM keeps until a worker reports them in
     ``finished_sending`` (after every store reading them has landed)."""
+    new_blocks: set[int] = field(default_factory=set)
+    """Blocks vLLM handed out this step, of a model whose sliding-window groups free blocks
+    while their requests run: a store still reading one of them must land before this step's
+    forward pass writes it."""
 
 
 def pack(hashes: list[BlockHash]) -> bytes:

@@ -1,5 +1,5 @@
 """One vLLM request as the scheduler side sees it: its state, and kvtier's block hashes of it
-for every tensor-parallel rank.
+for every KV cache group and tensor-parallel shard.
 
 The chain covers the request's token ids as they grow (prompt, then output tokens for blocks
 stored during decode); the LoRA name, multimodal inputs and ``cache_salt`` of the request
@@ -14,12 +14,12 @@ prefix vLLM still agrees with, and hashes on from there.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvtier.connector.vllm_hits import Hit
 from kvtier.connector.vllm_lookup import Lookup
 from kvtier.connector.vllm_metadata import pack
 from kvtier.tiers.hashing import BlockHash, ExtraKeys, MultiModalInput, hash_block_chain
-from kvtier.tiers.host import LowerHits
 
 
 def extra_keys(request) -> ExtraKeys:
@@ -33,10 +33,11 @@ def extra_keys(request) -> ExtraKeys:
 
 
 class RequestHashes:
-    """Per-rank chained hashes of a request's full blocks, as far as vLLM has hashed them.
+    """Per-shard chained hashes of a request's full blocks (of one KV cache group), as far as
+    vLLM has hashed them.
 
-    ``seeds`` are the root parents, one per rank. ``hash_block_size`` is the granularity of
-    vLLM's ``request.block_hashes`` (it divides ``block_size``).
+    ``seeds`` are the root parents, one per tensor-parallel shard. ``hash_block_size`` is the
+    granularity of vLLM's ``request.block_hashes`` (it divides ``block_size``).
     """
 
     __slots__ = ("_block_size", "_chains", "_cut", "_extra", "_marks", "_num_mm", "_per_block")
@@ -95,16 +96,16 @@ class RequestHashes:
         cut, self._cut = self._cut, None
         return cut
 
-    def per_rank(self, start: int, end: int) -> list[list[BlockHash]]:
-        """Every rank's hashes of blocks ``[start, end)``."""
+    def per_shard(self, start: int, end: int) -> list[list[BlockHash]]:
+        """Every shard's hashes of blocks ``[start, end)``."""
         return [chain[start:end] for _, chain in self._chains]
 
     def packed(self, start: int, end: int) -> tuple[bytes, ...]:
-        """Per rank, the packed hashes of blocks ``[start, end)``."""
+        """Per shard, the packed hashes of blocks ``[start, end)``."""
         return tuple(pack(chain[start:end]) for _, chain in self._chains)
 
     def packed_parents(self, start: int, end: int) -> tuple[bytes, ...]:
-        """Per rank, the packed parent hash of each block in ``[start, end)``."""
+        """Per shard, the packed parent hash of each block in ``[start, end)``."""
         out = []
         for seed, chain in self._chains:
             parents = chain[start - 1 : end - 1] if start > 0 else [seed, *chain[: end - 1]]
@@ -142,34 +143,41 @@ class PlannedLoad:
     """A planned load whose outcome is not known yet."""
 
     start: int
-    """Index of its first block in the request."""
-    block_ids: list[int]
+    """The token it starts at (vLLM's own hit before it)."""
+    block_ids: list[tuple[int, list[int]]]
+    """Per KV cache group: the index of the first block it loads, and the vLLM block ids."""
     sync: bool
 
 
 @dataclass(slots=True)
 class RequestState:
-    """What the scheduler side remembers of one request."""
+    """What the scheduler side remembers of one request; lists hold one item per KV cache
+    group."""
 
     request: object
-    hashes: RequestHashes
-    block_ids: list[int] = field(default_factory=list)
-    stored_blocks: int = 0
+    hashes: list[RequestHashes]
+    block_ids: list[list[int]]
+    stored_blocks: list[int]
     """Leading blocks already in kvtier or handed to the workers to store."""
     scheduled: bool = False
     """vLLM has scheduled it at least once (a later "new" scheduling resumes it)."""
     running: bool = False
     """It holds KV it computed since it was last admitted (not waiting, loading or preempted)."""
     lookup: Lookup | None = None
-    offer: LowerHits | None = None
-    """The hit last returned to vLLM, of blocks from ``offer_start`` on."""
+    offer: Hit | None = None
+    """The hit last returned to vLLM, of tokens from ``offer_start`` on."""
     offer_start: int = 0
     load: PlannedLoad | None = None
     verify_end: int = 0
     """Tokens vLLM must have processed before blocks computed over a sync load are stored."""
-    host_hit_blocks: int = 0
-    disk_hit_blocks: int = 0
-    remote_hit_blocks: int = 0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     stores_issued: bool = False
     stale: bool = False
     """It holds KV from before ``reset_cache``: none of it may be stored any more."""
+
+    @classmethod
+    def new(cls, request, hashes: list[RequestHashes]) -> RequestState:
+        groups = len(hashes)
+        return cls(request, hashes, [[] for _ in range(groups)], [0] * groups)

@@ -1,18 +1,24 @@
 """The scheduler half of ``KVTierConnector``: lookups, load plans and store plans.
 
-Per request it keeps kvtier's hash chain (every TP rank's), the request's vLLM block ids and
-how many of its blocks are in kvtier or handed to the workers to store. Each step:
+Per request and KV cache group it keeps kvtier's hash chains (one per tensor-parallel shard),
+the request's vLLM block ids and how many of its blocks are in kvtier or handed to the
+workers to store. Each step:
 
-* ``get_num_new_matched_tokens`` asks the daemon, for every rank and without waiting, how many
-  of the prompt's full blocks beyond vLLM's own GPU hit it holds (never the block of the last
-  prompt token); the hit is what every rank holds. Until the answer is in it returns
-  ``None`` and vLLM asks again next step; the answer is kept until the question changes.
-* ``update_state_after_alloc`` turns an accepted hit into a load of those hashes into the
-  blocks vLLM just allocated.
+* ``get_num_new_matched_tokens`` asks the daemon, for every group and shard and without
+  waiting, which of the prompt's full blocks beyond vLLM's own GPU hit it holds (never the
+  block of the last prompt token); the hit is the longest every group can serve, a
+  sliding-window group needing only the blocks inside its window (``vllm_hits``). Until the
+  answer is in it returns ``None`` and vLLM asks again next step; the answer is kept until
+  the question changes.
+* ``update_state_after_alloc`` turns an accepted hit into one load per group of those
+  hashes into the blocks vLLM just allocated (a window group's: those inside the window).
 * ``build_connector_meta`` emits the step's loads, and stores of the blocks this step fills
-  (``on_compute``) or of finished requests (``on_finish``).
-* ``update_connector_output`` learns which loads failed (``invalid_block_ids``, from any
-  rank) and which async loads landed, and rewinds what it counted as stored.
+  (``on_compute``) or of finished requests (``on_finish``). A sliding-window group's blocks
+  are always stored as they are filled: vLLM frees them once they slide out of the window,
+  long before the request finishes.
+* ``update_connector_output`` learns which loads failed (``invalid_block_ids`` from any
+  rank, or for a model of several groups the whole request in ``failed_recving``, as vLLM
+  wants it) and which async loads landed, and rewinds what it counted as stored.
 * ``request_finished`` keeps a request's blocks while a store may still read them; a worker
   reports it in ``finished_sending`` once every such copy has landed.
 
@@ -30,12 +36,13 @@ import xxhash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm_config import KVTierConfig
+from kvtier.connector.vllm_groups import KVGroup, alignment_tokens
+from kvtier.connector.vllm_hits import Chain
 from kvtier.connector.vllm_lookup import Lookup, Lookups
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec
 from kvtier.connector.vllm_request import PlannedLoad, RequestHashes, RequestState
 from kvtier.connector.vllm_stats import KVTierStats
-from kvtier.tiers.hashing import BlockHash, Namespace
-from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.hashing import BlockHash
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +53,50 @@ class SchedulerSide:
     def __init__(
         self,
         config: KVTierConfig,
-        layout: KVLayout,
+        groups: list[KVGroup],
         model_id: str,
         tp_world: int,
         hash_block_size: int | None = None,
         engine_group: str = "",
     ):
         self.config = config
-        self.block_size = layout.block_size
-        if hash_block_size and self.block_size % hash_block_size:
+        self.groups = groups
+        self.align = alignment_tokens(groups)
+        """Tokens a hit is a multiple of: whole blocks of every group."""
+        for group in groups:
+            if hash_block_size and group.block_size % hash_block_size:
+                raise ValueError(
+                    f"vLLM hashes blocks of {hash_block_size} tokens, which does not divide "
+                    f"kvtier's block of {group.block_size} (KV cache group {group.index})"
+                )
+        if len(groups) > 1 and not config.load_async:
             raise ValueError(
-                f"vLLM hashes blocks of {hash_block_size} tokens, which does not divide "
-                f"kvtier's block of {self.block_size}"
+                "KVTierConnector needs load_async true for a model with several KV cache "
+                "groups: vLLM can recompute a failed load of such a model only as a whole "
+                "request, which it supports for async loads alone"
             )
         self.hash_block_size = hash_block_size
-        namespaces = [
-            Namespace(model_id, layout.signature, rank, tp_world) for rank in range(tp_world)
+        self._base_seeds = [
+            [ns.seed for ns in group.namespaces(model_id, tp_world)] for group in groups
         ]
-        self._base_seeds = [ns.seed for ns in namespaces]
-        self._seeds: list[BlockHash] = list(self._base_seeds)
-        self.client = config.client(
-            layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
-        )
-        if config.connect_wait_s and not self.client.wait_connected(config.connect_wait_s):
-            log.warning(
-                "kvtier daemon %s not reachable yet; lookups miss until it is", config.target()
-            )
+        self._seeds: list[list[BlockHash]] = [list(seeds) for seeds in self._base_seeds]
+        self.clients = {}
+        for group in groups:
+            if group.layout.signature not in self.clients:
+                self.clients[group.layout.signature] = config.client(
+                    group.layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
+                )
+        self.client = self.clients[groups[0].layout.signature]
+        for client in self.clients.values():
+            if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
+                log.warning(
+                    "kvtier daemon %s not reachable yet; lookups miss until it is",
+                    config.target(),
+                )
+                break
+        # Window groups free blocks while a request runs: the workers must order the stores
+        # still reading such a block before the step that reuses it.
+        self._frees_blocks = any(group.windowed for group in groups)
         self.stats = KVTierStats()
         self._requests: dict[str, RequestState] = {}
         self._loading: dict[str, RequestState] = {}
@@ -83,30 +108,38 @@ class SchedulerSide:
         self._failures_seen = 0
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients.values():
+            client.close()
 
     # ---- requests and lookups ----
 
     def _state(self, request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
-            hashes = RequestHashes(request, self._seeds, self.block_size, self.hash_block_size)
-            state = RequestState(request, hashes)
+            hashes = [
+                RequestHashes(request, seeds, group.block_size, self.hash_block_size)
+                for group, seeds in zip(self.groups, self._seeds, strict=True)
+            ]
+            state = RequestState.new(request, hashes)
             self._requests[request.request_id] = state
         return state
 
-    def _hash(self, state: RequestState, num_blocks: int) -> int:
-        """Hashes up to ``num_blocks``; whatever vLLM took back is no longer stored or asked."""
-        end = state.hashes.extend_to(state.request, num_blocks)
-        cut = state.hashes.take_cut()
-        if cut is not None:
-            state.stored_blocks = min(state.stored_blocks, cut)
-            self._lookups.discard(state.lookup)
-            state.lookup = None
-        return end
+    def _hash(self, state: RequestState, num_tokens: int) -> int:
+        """Hashes every group up to ``num_tokens``; returns the tokens hashed in every group,
+        a multiple of ``align``. Whatever vLLM took back is no longer stored or asked."""
+        end = num_tokens
+        for g, hashes in enumerate(state.hashes):
+            size = self.groups[g].block_size
+            end = min(end, hashes.extend_to(state.request, num_tokens // size) * size)
+            cut = hashes.take_cut()
+            if cut is not None:
+                state.stored_blocks[g] = min(state.stored_blocks[g], cut)
+                self._lookups.discard(state.lookup)
+                state.lookup = None
+        return end // self.align * self.align
 
     def _lookup(self, state: RequestState, start: int, end: int) -> Lookup:
-        """The lookup of blocks ``[start, end)``: the one asked before, or a new one."""
+        """The lookup of tokens ``[start, end)``: the one asked before, or a new one."""
         lookup = state.lookup
         if (
             lookup is None
@@ -114,19 +147,31 @@ class SchedulerSide:
             or lookup.stale(self.client.lookup_hold_s)
         ):
             self._lookups.discard(lookup)
-            lookup = Lookup.ask(self.client, state.hashes.per_rank(start, end), start, end)
+            chains = [
+                Chain(group, shard)
+                for group, hashes in zip(self.groups, state.hashes, strict=True)
+                for shard in hashes.per_shard(0, end // group.block_size)
+            ]
+            lookup = Lookup.ask(self._ask, chains, start, end, self.align)
             self._lookups.add(lookup)
             state.lookup = lookup
-            self.stats.add("lookup_tokens", (end - start) * self.block_size)
+            self.stats.add("lookup_tokens", end - start)
         return lookup
+
+    def _ask(self, group: KVGroup, hashes: list[BlockHash]):
+        return self.clients[group.layout.signature].lookup_async(hashes)
+
+    @property
+    def _min_hit_tokens(self) -> int:
+        return self.config.min_hit_blocks * self.align
 
     def on_new_request(self, request) -> None:
         """Asks about the whole prompt at once, so the answer is in when vLLM asks (its own GPU
         hit then being 0, which a prompt that reaches kvtier usually has)."""
         state = self._state(request)
         if request.prompt_embeds is None:
-            end = self._hash(state, (request.num_tokens - 1) // self.block_size)
-            if end >= self.config.min_hit_blocks:
+            end = self._hash(state, request.num_tokens - 1)
+            if end >= self._min_hit_tokens:
                 self._lookup(state, 0, end)
 
     def get_num_new_matched_tokens(
@@ -137,48 +182,62 @@ class SchedulerSide:
         if request.prompt_embeds is not None:
             return 0, False  # token ids do not name embeddings
         state = self._state(request)
-        start = num_computed_tokens // self.block_size
+        start = num_computed_tokens // self.align * self.align
         # Never the block holding the last token: vLLM needs one real forward for logits.
-        end = self._hash(state, (request.num_tokens - 1) // self.block_size)
-        if end - start < self.config.min_hit_blocks:
+        end = self._hash(state, request.num_tokens - 1)
+        if end - start < self._min_hit_tokens:
             return 0, False
         lookup = self._lookup(state, start, end)
         if not lookup.done():
             return None, False
         state.offer, state.offer_start = lookup.hits(), start
-        if state.offer.total < self.config.min_hit_blocks:
+        if state.offer.tokens < self._min_hit_tokens:
             return 0, False
-        return state.offer.total * self.block_size, self.config.load_async
+        return state.offer.tokens, self.config.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Plans the load of an accepted hit into the blocks vLLM allocated for it."""
+        """Plans the load of an accepted hit into the blocks vLLM allocated for it: in each
+        group, the blocks the token after the hit attends to."""
         if num_external_tokens == 0:
             return
         state = self._requests[request.request_id]
         assert state.offer is not None, "vLLM accepted a hit kvtier did not offer"
         start = state.offer_start
-        num = num_external_tokens // self.block_size
-        self._hash(state, start + num)  # (rehashed if reset_cache came in between)
-        block_ids = list(blocks.get_block_ids()[0][start : start + num])
+        end = start + num_external_tokens
+        self._hash(state, end)  # (rehashed if reset_cache came in between)
+        all_ids = blocks.get_block_ids()
         sync = not self.config.load_async
-        self._loads.append(
-            LoadSpec(
-                req_id=request.request_id,
-                block_ids=block_ids,
-                hashes=state.hashes.packed(start, start + num),
-                sync=sync,
-            )
-        )
-        state.load = PlannedLoad(start, block_ids, sync)
+        planned = []
+        for g, group in enumerate(self.groups):
+            size = group.block_size
+            first = max(start // size, group.first_needed_block(end))
+            last = end // size
+            block_ids = list(all_ids[group.index][first:last])
+            planned.append((first, block_ids))
+            if block_ids:
+                self._loads.append(
+                    LoadSpec(
+                        req_id=request.request_id,
+                        block_ids=block_ids,
+                        hashes=state.hashes[g].packed(first, last),
+                        sync=sync,
+                        group=group.index,
+                    )
+                )
+            if state.stored_blocks[g] >= start // size:
+                # Loaded, or (below a window) null: nothing of it is stored from here.
+                state.stored_blocks[g] = max(state.stored_blocks[g], last)
+        state.load = PlannedLoad(start, planned, sync)
         self._loading[request.request_id] = state
-        if state.stored_blocks >= start:
-            state.stored_blocks = max(state.stored_blocks, start + num)
-        state.host_hit_blocks = min(state.offer.host, num)
-        state.disk_hit_blocks = min(state.offer.disk, num - state.host_hit_blocks)
-        state.remote_hit_blocks = num - state.host_hit_blocks - state.disk_hit_blocks
-        self.stats.add("host_hit_tokens", state.host_hit_blocks * self.block_size)
-        self.stats.add("disk_hit_tokens", state.disk_hit_blocks * self.block_size)
-        self.stats.add("remote_hit_tokens", state.remote_hit_blocks * self.block_size)
+        offer = state.offer
+        state.host_hit_tokens = min(offer.host_tokens, num_external_tokens)
+        state.disk_hit_tokens = min(offer.disk_tokens, num_external_tokens - state.host_hit_tokens)
+        state.remote_hit_tokens = (
+            num_external_tokens - state.host_hit_tokens - state.disk_hit_tokens
+        )
+        self.stats.add("host_hit_tokens", state.host_hit_tokens)
+        self.stats.add("disk_hit_tokens", state.disk_hit_tokens)
+        self.stats.add("remote_hit_tokens", state.remote_hit_tokens)
         # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
         self._lookups.discard(state.lookup)
         state.lookup, state.offer = None, None
@@ -189,10 +248,10 @@ class SchedulerSide:
         if state is None or num_external_tokens == 0:
             return {}
         split = {
-            CacheHitSource.HOST: state.host_hit_blocks * self.block_size,
-            CacheHitSource.DISK: state.disk_hit_blocks * self.block_size,
+            CacheHitSource.HOST: state.host_hit_tokens,
+            CacheHitSource.DISK: state.disk_hit_tokens,
             # vLLM names no remote-store source; its "uninstrumented or remote store" one
-            CacheHitSource.EXTERNAL_UNSPECIFIED: state.remote_hit_blocks * self.block_size,
+            CacheHitSource.EXTERNAL_UNSPECIFIED: state.remote_hit_tokens,
         }
         if sum(split.values()) != num_external_tokens:
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
@@ -229,26 +288,35 @@ class SchedulerSide:
                 state.verify_end = computed + scheduled.get(load.req_id, 0)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests[new.req_id]
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(new.block_ids[group.index]) for group in self.groups]
             if not state.scheduled:
                 # Below num_computed_tokens lie GPU hits (stored by whoever computed them)
                 # and kvtier loads; everything from there on is computed, so stored, here.
-                state.stored_blocks = new.num_computed_tokens // self.block_size
+                computed = new.num_computed_tokens
+                state.stored_blocks = [computed // group.block_size for group in self.groups]
             # else it is resumed (a streaming session's next chunk): it keeps its count.
             self._admitted(state)
             self._plan_compute_store(meta, state, new.num_computed_tokens + scheduled[new.req_id])
+            self._note_new_blocks(meta, new.block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests[req_id]
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids else []
-            elif new_ids:
-                state.block_ids.extend(new_ids[0])
+            for g, group in enumerate(self.groups):
+                if req_id in cached.resumed_req_ids:
+                    state.block_ids[g] = list(new_ids[group.index]) if new_ids else []
+                elif new_ids:
+                    state.block_ids[g].extend(new_ids[group.index])
             self._admitted(state)
             end = cached.num_computed_tokens[i] + scheduled[req_id]
             self._plan_compute_store(meta, state, end)
+            self._note_new_blocks(meta, new_ids)
         return meta
+
+    def _note_new_blocks(self, meta: KVTierMetadata, block_ids) -> None:
+        if self._frees_blocks and block_ids:
+            for ids in block_ids:
+                meta.new_blocks.update(ids)
 
     def _admitted(self, state: RequestState) -> None:
         state.scheduled = state.running = True
@@ -260,52 +328,71 @@ class SchedulerSide:
 
     def _preempted(self, state: RequestState) -> None:
         """Its blocks are gone: whatever it computes from now on is fresh KV."""
-        state.block_ids = []
+        state.block_ids = [[] for _ in self.groups]
         state.running = False
         state.stores_issued = False  # stores in flight read freed blocks; the workers order them
         state.stale = False
         if state.load is not None:
             # A sync load never proved good: what it counted as stored may not be.
-            state.stored_blocks = min(state.stored_blocks, state.load.start)
+            self._rewind(state, state.load.start)
             self._loading.pop(state.request.request_id, None)
             state.load = None
         state.verify_end = 0
 
-    def _plan_compute_store(self, meta: KVTierMetadata, state: RequestState, end: int) -> None:
-        if self.config.store_policy != "on_compute":
-            return
-        spec = self._store_spec(state, end // self.block_size)
-        if spec is not None:
-            meta.stores.append(spec)
+    def _rewind(self, state: RequestState, tokens: int) -> None:
+        """Counts nothing from token ``tokens`` on as stored (vLLM recomputes it)."""
+        for g, group in enumerate(self.groups):
+            state.stored_blocks[g] = min(state.stored_blocks[g], tokens // group.block_size)
 
-    def _store_spec(self, state: RequestState, full_blocks: int) -> StoreSpec | None:
-        """A store of blocks ``[stored_blocks, full_blocks)`` whose ids and tokens are known."""
+    def _plan_compute_store(self, meta: KVTierMetadata, state: RequestState, end: int) -> None:
+        """Stores what this step fills: of every group (``on_compute``), or of the window
+        groups alone, whose blocks vLLM frees before the request finishes (``on_finish``)."""
+        on_compute = self.config.store_policy == "on_compute"
+        meta.stores += self._store_specs(state, end, windowed_only=not on_compute)
+
+    def _store_specs(
+        self, state: RequestState, end: int, windowed_only: bool = False
+    ) -> list[StoreSpec]:
+        """Stores of each group's blocks from ``stored_blocks`` to the last full one before
+        token ``end`` whose ids and tokens are known, skipping what slid out of a window."""
         request = state.request
         if state.stale:
-            return None
+            return []
+        processed = request.num_computed_tokens - request.num_in_flight_tokens
         if state.verify_end:
-            processed = request.num_computed_tokens - request.num_in_flight_tokens
             if processed < state.verify_end:
-                return None  # vLLM has not processed the sync load's step without error yet
+                return []  # vLLM has not processed the sync load's step without error yet
             state.verify_end = 0
             self._loading.pop(request.request_id, None)
             state.load = None
-        full_blocks = min(full_blocks, len(state.block_ids))
-        end = min(self._hash(state, full_blocks), full_blocks)
-        start = state.stored_blocks
-        if end <= start:
-            return None
-        state.stored_blocks = end
-        state.stores_issued = True
-        return StoreSpec(
-            req_id=request.request_id,
-            block_ids=state.block_ids[start:end],
-            hashes=state.hashes.packed(start, end),
-            parents=state.hashes.packed_parents(start, end),
-        )
+        self._hash(state, end)
+        specs = []
+        for g, group in enumerate(self.groups):
+            if windowed_only and not group.windowed:
+                continue
+            hashes = state.hashes[g]
+            stop = min(end // group.block_size, len(state.block_ids[g]), len(hashes))
+            # vLLM has freed a window group's blocks below the window of what it processed.
+            start = max(state.stored_blocks[g], group.first_needed_block(processed))
+            state.stored_blocks[g] = max(state.stored_blocks[g], stop)
+            if stop <= start:
+                continue
+            specs.append(
+                StoreSpec(
+                    req_id=request.request_id,
+                    block_ids=state.block_ids[g][start:stop],
+                    hashes=hashes.packed(start, stop),
+                    parents=hashes.packed_parents(start, stop),
+                    group=group.index,
+                )
+            )
+        if specs:
+            state.stores_issued = True
+        return specs
 
-    def request_finished(self, request, block_ids: list[int]) -> bool:
-        """True if vLLM must keep the request's blocks until a worker reports it sent."""
+    def request_finished(self, request, block_ids: list[list[int]]) -> bool:
+        """True if vLLM must keep the request's blocks until a worker reports it sent;
+        ``block_ids`` holds one list per KV cache group."""
         state = self._requests.pop(request.request_id, None)
         self._loading.pop(request.request_id, None)
         if state is None:
@@ -318,10 +405,8 @@ class SchedulerSide:
             return False
         # on_finish stores it all now; on_compute has only blocks computed over a sync load
         # left, if that load proved good.
-        state.block_ids = list(block_ids)
-        spec = self._store_spec(state, request.num_computed_tokens // self.block_size)
-        if spec is not None:
-            self._stores.append(spec)
+        state.block_ids = [list(block_ids[group.index]) for group in self.groups]
+        self._stores += self._store_specs(state, request.num_computed_tokens)
         if not state.stores_issued:
             return False
         self._hold_new.add(request.request_id)
@@ -337,17 +422,21 @@ class SchedulerSide:
         invalid = output.invalid_block_ids
         if invalid:
             for state in self._loading.values():
-                load = state.load
-                first = next((i for i, b in enumerate(load.block_ids) if b in invalid), None)
-                if first is not None:
-                    state.stored_blocks = min(state.stored_blocks, load.start + first)
+                fails = [
+                    (first + i) * self.groups[g].block_size
+                    for g, (first, ids) in enumerate(state.load.block_ids)
+                    for i, block in enumerate(ids)
+                    if block in invalid
+                ]
+                if fails:
+                    self._rewind(state, min(fails))
         failed = output.failed_recving or set()
         for req_id in (output.finished_recving or set()) | failed:
             state = self._loading.pop(req_id, None)
             if state is None:
                 continue  # finished meanwhile
             if req_id in failed:
-                state.stored_blocks = min(state.stored_blocks, state.load.start)
+                self._rewind(state, state.load.start)
             state.load = None
         for req_id in output.finished_sending or ():
             self._held.discard(req_id)
@@ -372,10 +461,13 @@ class SchedulerSide:
         before the reset (vLLM's own reset fails then too, as that request holds blocks).
         """
         nonce = os.urandom(16)
-        self._seeds = [xxhash.xxh3_128_digest(seed + nonce) for seed in self._base_seeds]
+        self._seeds = [
+            [xxhash.xxh3_128_digest(seed + nonce) for seed in seeds] for seeds in self._base_seeds
+        ]
         self._lookups.clear()
         for state in self._requests.values():
-            state.hashes.reseed(self._seeds)
+            for hashes, seeds in zip(state.hashes, self._seeds, strict=True):
+                hashes.reseed(seeds)
             state.lookup = None
             request = state.request
             if request.num_computed_tokens > 0 or state.load is not None:
@@ -391,7 +483,7 @@ class SchedulerSide:
         return not in_flight
 
     def take_stats(self) -> KVTierStats | None:
-        failures = self.client.failures
+        failures = sum(client.failures for client in self.clients.values())
         self.stats.add("daemon_failures", failures - self._failures_seen)
         self._failures_seen = failures
         return self.stats.take()

@@ -74,7 +74,8 @@ class Engine:
         self.block_size = stack.layout.block_size
         self.chunk_blocks = chunk_blocks
         self.namespace = Namespace(model.config.model_id, stack.layout.signature)
-        self.kv = PagedKV(stack.placement)
+        windows = [model.config.window(layer) for layer in range(model.config.num_layers)]
+        self.kv = PagedKV(stack.placement, windows)
 
     @property
     def chunk_tokens(self) -> int:

@@ -4,11 +4,13 @@ A chunk's keys and values are first written into their blocks, then every key of
 so far, the chunk's own included, is read back out of the blocks. Attention therefore sees the
 same bytes whether an earlier block was computed a moment ago, was already on the GPU, or was
 copied in from a lower tier, which is what makes cached and recomputed prefixes bit-identical.
+A sliding-window layer masks every key more than ``window - 1`` positions behind its query.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -17,12 +19,13 @@ from kvtier.tiers.kv_placement import KVPlacement
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None = None
 ) -> torch.Tensor:
     """Attention of queries at positions ``q_start..`` over keys at positions ``0..S-1``.
 
     ``q`` is ``[T, heads, d]``, ``k`` and ``v`` are ``[S, kv_heads, d]`` with
     ``S >= q_start + T``; each group of ``heads // kv_heads`` query heads shares one KV head.
+    With a ``window`` a query at ``p`` sees the keys at ``p - window + 1 .. p`` only.
     Softmax runs in float32. Returns ``[T, heads, d]``.
     """
     t, heads, d = q.shape
@@ -34,6 +37,8 @@ def causal_attention(
     q_pos = torch.arange(q_start, q_start + t, device=q.device).repeat(group)
     k_pos = torch.arange(s, device=q.device)
     scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    if window is not None:
+        scores.masked_fill_(k_pos[None, :] <= q_pos[:, None] - window, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.bmm(probs, v.permute(1, 0, 2))
     return out.reshape(kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, heads, d)
@@ -47,12 +52,14 @@ class PagedKV:
     as ``[num_blocks, kv_heads, block_size, 2 * d]``: per head and token, K then V.
     """
 
-    def __init__(self, placement: KVPlacement):
+    def __init__(self, placement: KVPlacement, windows: Sequence[int | None] = ()):
         layout = placement.layout
         if layout.is_mla or layout.head_size_v != layout.head_size:
             raise ValueError("the reference engine needs K and V of one head size")
         self.layout = layout
         self.caches = placement.layer_views()
+        self.windows = list(windows) or [None] * layout.num_layers
+        """Each layer's sliding window in tokens (None: full attention)."""
 
     def write(
         self,
@@ -87,6 +94,6 @@ class PagedKV:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.write(layer, block_table, positions, k, v)
             keys, values = self.read(layer, block_table, end)
-            return causal_attention(q, keys, values, start)
+            return causal_attention(q, keys, values, start, self.windows[layer])
 
         return attend

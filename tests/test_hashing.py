@@ -41,6 +41,7 @@ def test_same_block_content_at_other_position_differs():
         Namespace("llama-3-8b", b"\x02" * 16),
         Namespace("llama-3-8b", b"\x01" * 16, tp_rank=1, tp_world_size=2),
         Namespace("llama-3-8b", b"\x01" * 16, hash_version=2),
+        Namespace("llama-3-8b", b"\x01" * 16, group=1),
     ],
 )
 def test_namespace_fields_change_every_hash(other):
@@ -98,8 +99,15 @@ def test_deterministic_across_processes():
     assert out.split(",") == [h.hex() for h in here]
 
 
+def test_every_kv_cache_group_has_its_own_seed():
+    seeds = {Namespace("m", b"x" * 16, group=g).seed for g in range(6)}
+    assert len(seeds) == 6
+
+
 def test_bad_input():
     with pytest.raises(ValueError):
         BlockHasher(NS, 0)
     with pytest.raises(ValueError):
         Namespace("m", b"x" * 16, tp_rank=2, tp_world_size=2)
+    with pytest.raises(ValueError):
+        Namespace("m", b"x" * 16, group=-1)

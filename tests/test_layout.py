@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.kv_placement import ORDERS, KVPlacement
 from kvtier.tiers.layout import KVLayout, dtype_from_name
 
@@ -15,6 +16,7 @@ LAYOUTS = {
     "fp8": KVLayout(2, 2, 16, 4, torch.float8_e4m3fn),
     "padded": KVLayout(2, 2, 8, 4, torch.float16, page_size_padded=288),
     "odd": KVLayout(2, 3, 3, 5, torch.uint8),
+    "packed": KVLayout(2, 4, 20, 4, torch.int8, head_size_v=0, packing="INT8_PER_TOKEN_HEAD"),
 }
 
 
@@ -52,6 +54,11 @@ def test_block_bytes_and_signature():
     mla = KVLayout.mla(61, 576, 64, torch.bfloat16)
     assert mla.is_mla and mla.block_bytes == 61 * 64 * 576 * 2
     assert mla.signature != KVLayout(61, 1, 288, 64, torch.bfloat16).signature
+    # A packed page's bytes mean what its format says: the format is in the signature.
+    packed = KVLayout(32, 16, 136, 16, torch.int8, head_size_v=0, packing="INT8_PER_TOKEN_HEAD")
+    assert not packed.is_mla and packed.row_bytes == 136
+    same_bytes = KVLayout(32, 16, 136, 16, torch.int8, head_size_v=0, packing="CUSTOM")
+    assert packed.signature != same_bytes.signature
 
 
 def test_bad_layouts():
@@ -61,6 +68,8 @@ def test_bad_layouts():
         KVLayout(2, 2, 8, 4, head_size_v=0)
     with pytest.raises(ValueError, match="smaller"):
         KVLayout(2, 1, 8, 4, page_size_padded=16)
+    with pytest.raises(ValueError, match="opaque"):
+        KVLayout(2, 2, 8, 4, packing="NVFP4")
     with pytest.raises(ValueError):
         dtype_from_name("float64x")
     assert dtype_from_name("torch.bfloat16") is torch.bfloat16
@@ -135,3 +144,62 @@ def test_placement_refuses_views_it_cannot_address():
         KVPlacement.from_layer_views(layout, [v.float() for v in views])
     with pytest.raises(ValueError, match="reaches byte"):
         KVPlacement(layout, torch.zeros(100, dtype=torch.uint8), 6, 0, 1000, 1, 1, 1)
+
+
+def kernel_split(layout: KVLayout, blocks: int, kernel_tokens: int, order: str):
+    """vLLM's per-layer views of ``blocks`` cache blocks split into kernel blocks of
+    ``kernel_tokens`` tokens (``[blocks * k, H, kernel_tokens, C]``), randomly filled."""
+    kernel_layout = KVLayout(
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_size,
+        kernel_tokens,
+        layout.dtype,
+        head_size_v=layout.head_size_v,
+    )
+    made = KVPlacement.allocate(
+        kernel_layout, blocks * (layout.block_size // kernel_tokens), order=order
+    )
+    random_fill(made, 7)
+    return made.layer_views()
+
+
+def split_block(layout: KVLayout, views: list[torch.Tensor], block: int) -> bytes:
+    """The canonical bytes of cache block ``block`` read from kernel-block views."""
+    k = layout.block_size // views[0].shape[2]
+    out = bytearray()
+    for view in views:
+        page = torch.cat(list(view[block * k : (block + 1) * k]), dim=1)  # [H, N, C]
+        out += page.contiguous().view(torch.uint8).numpy().tobytes()
+    return bytes(out)
+
+
+@pytest.mark.parametrize("name", ["gqa", "k_ne_v", "mla", "fp8"])
+@pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC"])
+def test_kernel_blocks_smaller_than_the_block_move_as_the_canonical_block(name, order):
+    layout = LAYOUTS[name]  # blocks of 4 tokens, read by kernels of 2 (and 1)
+    for kernel_tokens in (2, 1):
+        views = kernel_split(layout, 6, kernel_tokens, order)
+        placement = KVPlacement.from_layer_views(layout, views)
+        assert placement.num_blocks == 6
+        assert placement.kernel_blocks == layout.block_size // kernel_tokens
+        rows = torch.zeros((2, layout.block_bytes), dtype=torch.uint8)
+        placement.gather(torch.tensor([4, 1]), rows)
+        assert rows[0].numpy().tobytes() == split_block(layout, views, 4)
+        assert rows[1].numpy().tobytes() == split_block(layout, views, 1)
+        # Into an engine whose kernel reads whole blocks, and back into a split one.
+        whole = KVPlacement.allocate(layout, 6)
+        whole.scatter(rows, torch.tensor([0, 5]))
+        assert canonical_block(whole, 0) == split_block(layout, views, 4)
+        other_views = kernel_split(layout, 6, kernel_tokens, order)
+        other = KVPlacement.from_layer_views(layout, other_views)
+        other.scatter(rows, torch.tensor([2, 3]))
+        assert split_block(layout, other_views, 2) == split_block(layout, views, 4)
+        # Row copies (the CPU copy engine's path for a non-canonical order) agree.
+        slab = torch.zeros((4, layout.block_bytes), dtype=torch.uint8)
+        engine = CopyEngine(placement, slab)
+        engine.store([1, 4], [3, 0])
+        assert slab[3].numpy().tobytes() == split_block(layout, views, 1)
+        assert slab[0].numpy().tobytes() == split_block(layout, views, 4)
+        engine.load([0], [5])
+        assert split_block(layout, views, 5) == split_block(layout, views, 4)

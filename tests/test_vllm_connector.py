@@ -52,7 +52,8 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvtier.connector.vllm import KVTierConnector
 from kvtier.connector.vllm_config import KVTierConfig
-from kvtier.connector.vllm_layout import kv_placement, layout_from_kv_cache_config
+from kvtier.connector.vllm_groups import groups_from_kv_cache_config
+from kvtier.connector.vllm_layout import kv_placement
 from kvtier.connector.vllm_metadata import KVTierMetadata
 from kvtier.tiers.kv_placement import KVPlacement
 
@@ -601,7 +602,8 @@ def test_vllm_stats_and_metrics_carry_tier_hits(make_engine) -> None:
 @pytest.mark.parametrize("kv_layout", ["BLHNC", "LBHNC", "LBNHC"])
 def test_placement_reads_vllms_own_allocation(make_engine, kv_layout) -> None:
     engine = make_engine(kv_layout=kv_layout)
-    layout, names = layout_from_kv_cache_config(engine.kv_cache_config)
+    (group,) = groups_from_kv_cache_config(engine.kv_cache_config)
+    layout, names = group.layout, list(group.layer_names)
     seen = kv_placement(layout, engine.kv_caches, names)
     assert seen.block_contiguous == (kv_layout == "BLHNC")
     # kvtier's own allocation (the reference engine's pool, the GPU bench) is vLLM's, byte
@@ -624,7 +626,7 @@ def test_stores_start_with_the_next_step(make_engine) -> None:
     worker = engine.worker.worker
     engine.add([*prompt(15, 3 * BLOCK), 1], "a", max_tokens=4)
     engine.step()  # computes the prompt: its three full blocks are handed over to store
-    assert worker.deferred_stores == 1 and worker.engine.in_flight == 0
+    assert worker.deferred_stores == 1 and worker.in_flight == 0
     assert "stored_blocks" not in engine.stats
     engine.run()
     assert worker.deferred_stores == 0

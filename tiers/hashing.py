@@ -2,8 +2,9 @@
 
 ``hash(block i) = xxh3_128(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra)``, with
 the root parent a seed derived from the namespace (model, layout signature, tensor-parallel
-rank and world size, hash version). Every input is fixed bytes, so hashes agree across
-processes, hosts and restarts, which is what lets the disk tier be reused after a restart.
+shard and world size, KV cache group, hash version). Every input is fixed bytes, so hashes
+agree across processes, hosts and restarts, which is what lets the disk tier be reused after a
+restart.
 ``extra`` carries the LoRA name and the multimodal hashes of the inputs a block overlaps on
 every block, and the request's ``cache_salt`` on the root block only.
 """
@@ -30,17 +31,28 @@ def check_hash(block_hash: bytes) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """What makes two engines' blocks interchangeable: same model, layout, TP rank and world."""
+    """What makes two engines' blocks interchangeable: same model, layout, TP shard and world,
+    and KV cache group.
+
+    ``tp_rank`` names the shard of the KV a rank holds: ranks holding identical KV (an MLA
+    latent, replicated KV heads) share one, so the block is stored once for all of them.
+    ``group`` tells apart the KV cache groups of a hybrid model, whose blocks may have one
+    layout but hold other layers; it enters the seed only when non-zero, so the blocks of a
+    model with one group keep the names they always had.
+    """
 
     model_id: str
     layout_signature: bytes
     tp_rank: int = 0
     tp_world_size: int = 1
     hash_version: int = HASH_VERSION
+    group: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside world size {self.tp_world_size}")
+        if self.group < 0:
+            raise ValueError(f"group must be >= 0, got {self.group}")
 
     @property
     def seed(self) -> BlockHash:
@@ -55,6 +67,7 @@ class Namespace:
                 self.tp_rank.to_bytes(4, "little"),
                 self.tp_world_size.to_bytes(4, "little"),
                 self.hash_version.to_bytes(4, "little"),
+                b"group" + self.group.to_bytes(4, "little") if self.group else b"",
             ]
         )
         return xxhash.xxh3_128_digest(blob)

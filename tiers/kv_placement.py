@@ -9,6 +9,12 @@ over the whole backing buffer. When the engine's order is the canonical one
 as one DMA; otherwise ``gather``/``scatter`` move blocks between the pages and rows of
 canonical blocks with one indexing kernel for all layers.
 
+Some attention kernels read smaller blocks than vLLM allocates: vLLM then views each cache
+block as ``kernel_blocks`` kernel blocks of ``block_size / kernel_blocks`` tokens,
+``kernel_stride`` bytes apart, each its own ``[H, n, C]`` page. Token ``t`` of a block lies in
+kernel block ``t // n``; the canonical block is unchanged (``[L][H][N][C]`` over all its
+tokens), so blocks move between engines whatever their kernel block size.
+
 The reference engine allocates its pool here too (``allocate``), in the canonical order.
 """
 
@@ -52,6 +58,10 @@ class KVPlacement:
     block_stride: int
     head_stride: int
     token_stride: int
+    kernel_blocks: int = 1
+    """Kernel blocks per cache block (1: the attention kernel reads whole cache blocks)."""
+    kernel_stride: int = 0
+    """Bytes from one kernel block of a cache block to the next."""
 
     def __post_init__(self) -> None:
         if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1:
@@ -59,14 +69,19 @@ class KVPlacement:
         if self.num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         lay = self.layout
-        if min(self.offset, self.layer_stride, self.block_stride) < 0:
+        if min(self.offset, self.layer_stride, self.block_stride, self.kernel_stride) < 0:
             raise ValueError("KV placement offsets and strides must be non-negative")
+        if self.kernel_blocks < 1 or lay.block_size % self.kernel_blocks:
+            raise ValueError(
+                f"{self.kernel_blocks} kernel blocks do not split a block of {lay.block_size}"
+            )
         last = (
             self.offset
             + (lay.num_layers - 1) * self.layer_stride
             + (self.num_blocks - 1) * self.block_stride
+            + (self.kernel_blocks - 1) * self.kernel_stride
             + (lay.num_kv_heads - 1) * self.head_stride
-            + (lay.block_size - 1) * self.token_stride
+            + (self.kernel_tokens - 1) * self.token_stride
             + lay.row_bytes
         )
         if last > self.buffer.numel():
@@ -105,13 +120,21 @@ class KVPlacement:
 
     @classmethod
     def from_layer_views(cls, layout: KVLayout, views: Sequence[torch.Tensor]) -> KVPlacement:
-        """The placement behind per-layer ``[B, H, N, C]`` views of one buffer (vLLM's)."""
+        """The placement behind per-layer ``[B, H, N, C]`` views of one buffer (vLLM's).
+
+        Views of kernel blocks (``[B * k, H, N / k, C]``, vLLM's split of each cache block
+        into ``k`` kernel blocks) are recognised by their token count.
+        """
         if len(views) != layout.num_layers:
             raise ValueError(f"expected {layout.num_layers} layer tensors, got {len(views)}")
         first = views[0]
         elem = first.element_size()
         c = (layout.head_size + layout.head_size_v) * layout.elem_bytes // elem
-        want = (layout.num_kv_heads, layout.block_size, c)
+        tokens = first.shape[2] if first.dim() == 4 and first.shape[2] > 0 else layout.block_size
+        kernel_blocks = layout.block_size // tokens if layout.block_size % tokens == 0 else 1
+        if first.shape[0] % kernel_blocks:
+            kernel_blocks = 1  # not a kernel split: the shape check below says what is wrong
+        want = (layout.num_kv_heads, layout.block_size // kernel_blocks, c)
         storage = first.untyped_storage()
         base = storage.data_ptr()
         offsets = []
@@ -137,12 +160,14 @@ class KVPlacement:
         return cls(
             layout,
             buffer,
-            first.shape[0],
+            first.shape[0] // kernel_blocks,
             offsets[0],
             layer_stride,
-            s[0] * elem,
+            s[0] * elem * kernel_blocks,
             s[1] * elem,
             s[2] * elem,
+            kernel_blocks,
+            s[0] * elem if kernel_blocks > 1 else 0,
         )
 
     # ---- what it looks like ----
@@ -151,14 +176,25 @@ class KVPlacement:
     def device(self) -> torch.device:
         return self.buffer.device
 
+    @property
+    def kernel_tokens(self) -> int:
+        """Tokens of one kernel block (the whole block when the kernel reads whole blocks)."""
+        return self.layout.block_size // self.kernel_blocks
+
     @cached_property
     def block_contiguous(self) -> bool:
         """True if every block is one run of ``block_bytes`` in the canonical byte order."""
         lay = self.layout
+        n = self.kernel_tokens
         return (
             (lay.num_layers == 1 or self.layer_stride == lay.page_stride)
             and (lay.num_kv_heads == 1 or self.head_stride == lay.block_size * lay.row_bytes)
-            and (lay.block_size == 1 or self.token_stride == lay.row_bytes)
+            and (n == 1 or self.token_stride == lay.row_bytes)
+            # kernel blocks continue the token axis only where no head axis lies between
+            and (
+                self.kernel_blocks == 1
+                or (lay.num_kv_heads == 1 and self.kernel_stride == n * lay.row_bytes)
+            )
             and (self.num_blocks == 1 or self.block_stride >= lay.block_bytes)
         )
 
@@ -173,7 +209,8 @@ class KVPlacement:
         sizes = [self.offset, self.block_stride, lay.row_bytes, lay.page_stride, lay.block_bytes]
         sizes += [self.layer_stride] if lay.num_layers > 1 else []
         sizes += [self.head_stride] if lay.num_kv_heads > 1 else []
-        sizes += [self.token_stride] if lay.block_size > 1 else []
+        sizes += [self.token_stride] if self.kernel_tokens > 1 else []
+        sizes += [self.kernel_stride] if self.kernel_blocks > 1 else []
         for size, dtype in _WORDS:
             if all(s % size == 0 for s in sizes) and self.buffer.data_ptr() % size == 0:
                 return size, dtype
@@ -187,12 +224,25 @@ class KVPlacement:
         raise AssertionError("unreachable: every address is a multiple of one byte")
 
     def pages(self, word: tuple[int, torch.dtype] | None = None) -> torch.Tensor:
-        """Every page as ``[L, B, H, N, C]`` words (a view of the buffer)."""
+        """Every page as ``[L, B, K, H, N / K, C]`` words, ``K`` the kernel blocks per block
+        (a view of the buffer)."""
         size, dtype = word or self.word
         lay = self.layout
         words = _words(self.buffer, size, dtype)
-        shape = (lay.num_layers, self.num_blocks, lay.num_kv_heads, lay.block_size)
-        strides = (self.layer_stride, self.block_stride, self.head_stride, self.token_stride)
+        shape = (
+            lay.num_layers,
+            self.num_blocks,
+            self.kernel_blocks,
+            lay.num_kv_heads,
+            self.kernel_tokens,
+        )
+        strides = (
+            self.layer_stride,
+            self.block_stride,
+            self.kernel_stride,
+            self.head_stride,
+            self.token_stride,
+        )
         return words.as_strided(
             (*shape, lay.row_bytes // size),
             (*(s // size for s in strides), 1),
@@ -202,7 +252,8 @@ class KVPlacement:
     def rows_view(
         self, rows: torch.Tensor, word: tuple[int, torch.dtype] | None = None
     ) -> torch.Tensor:
-        """uint8 ``[n, block_bytes]`` canonical rows as ``[L, n, H, N, C]`` words (a view)."""
+        """uint8 ``[n, block_bytes]`` canonical rows as ``[L, n, K, H, N / K, C]`` words, the
+        shape of ``pages`` (a view)."""
         size, dtype = word or self.word_for(rows)
         lay = self.layout
         n = rows.shape[0]
@@ -213,13 +264,23 @@ class KVPlacement:
         flat = rows.view(-1)
         words = _words(flat, size, dtype)
         row = lay.row_bytes // size
+        tokens = self.kernel_tokens
         return words.as_strided(
-            (lay.num_layers, n, lay.num_kv_heads, lay.block_size, row),
-            (lay.page_stride // size, lay.block_bytes // size, lay.block_size * row, row, 1),
+            (lay.num_layers, n, self.kernel_blocks, lay.num_kv_heads, tokens, row),
+            (
+                lay.page_stride // size,
+                lay.block_bytes // size,
+                tokens * row,
+                lay.block_size * row,
+                row,
+                1,
+            ),
         )
 
     def layer_views(self) -> list[torch.Tensor]:
         """Per-layer ``[B, H, N, head_size + head_size_v]`` views in the layout's dtype."""
+        if self.kernel_blocks > 1:
+            raise ValueError("a block split into kernel blocks has no [B, H, N, C] view")
         lay = self.layout
         elem = lay.elem_bytes
         typed = _words(self.buffer, elem, lay.dtype)
@@ -253,11 +314,12 @@ class KVPlacement:
         self.pages(word).index_copy_(1, block_ids, self.rows_view(rows, word))
 
     def block_pages(self, block_id: int) -> torch.Tensor:
-        """Block ``block_id`` as ``[L, H, N, C]`` bytes (a strided view, for row copies)."""
+        """Block ``block_id`` as ``[L, K, H, N / K, C]`` bytes (a strided view, for row
+        copies)."""
         return self.pages((1, torch.uint8))[:, block_id]
 
     def row_pages(self, row: torch.Tensor) -> torch.Tensor:
-        """One canonical row (uint8 ``[block_bytes]``) as ``[L, H, N, C]`` bytes."""
+        """One canonical row (uint8 ``[block_bytes]``) in the shape of ``block_pages``."""
         return self.rows_view(row.view(1, -1), (1, torch.uint8))[:, 0]
 
 

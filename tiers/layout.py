@@ -6,6 +6,9 @@ KV layout (vLLM's ``BLHNC``), i.e. ``[layer][head][token][C]`` where ``C`` is th
 layout has one "head" and ``C`` is the latent (``head_size_v == 0``, no K/V split). Each
 layer's page may be padded to ``page_size_padded`` bytes (vLLM pads some pages); the padding
 is part of the block. Bytes move as bytes, so FP8 and other 1-byte dtypes need nothing special.
+A packed page (a quantisation that packs its data and scales into each slot, as vLLM's
+per-token-head and FP4 modes do) is described the same way, its ``C`` opaque bytes of the
+format named by ``packing``.
 
 A block of this order is one contiguous run in a ``BLHNC`` KV buffer and moves as one DMA.
 Where the engine's tensors sit in memory (that order or another) is ``KVPlacement``'s business
@@ -49,7 +52,9 @@ class KVLayout:
 
     ``head_size_v`` defaults to ``head_size``; 0 means one part (an MLA latent of
     ``head_size`` elements, with ``num_kv_heads == 1``). ``page_size_padded`` is the byte size
-    of one layer's page when the engine pads it beyond ``page_bytes``.
+    of one layer's page when the engine pads it beyond ``page_bytes``. ``packing`` names the
+    format of a packed page, whose ``num_kv_heads`` slots per token each hold ``head_size``
+    elements of that format (``head_size_v`` 0).
     """
 
     num_layers: int
@@ -59,6 +64,7 @@ class KVLayout:
     dtype: torch.dtype = torch.float16
     head_size_v: int | None = None
     page_size_padded: int | None = None
+    packing: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
@@ -68,6 +74,8 @@ class KVLayout:
             object.__setattr__(self, "head_size_v", self.head_size)
         if self.head_size_v < 0:
             raise ValueError(f"KVLayout.head_size_v must be >= 0, got {self.head_size_v}")
+        if self.packing is not None and self.head_size_v != 0:
+            raise ValueError("a packed layout has one opaque part per slot (head_size_v=0)")
         if self.is_mla and self.num_kv_heads != 1:
             raise ValueError(f"an MLA layout (head_size_v=0) has one head, got {self.num_kv_heads}")
         if self.page_size_padded is not None and self.page_size_padded < self.page_bytes:
@@ -85,7 +93,7 @@ class KVLayout:
 
     @property
     def is_mla(self) -> bool:
-        return self.head_size_v == 0
+        return self.head_size_v == 0 and self.packing is None
 
     @property
     def elem_bytes(self) -> int:
@@ -117,7 +125,7 @@ class KVLayout:
         return (
             f"order={BLOCK_ORDER};layers={self.num_layers};heads={self.num_kv_heads};"
             f"tokens={self.block_size};k={self.head_size};v={self.head_size_v};dtype={dtype};"
-            f"page={self.page_stride}"
+            f"page={self.page_stride}" + (f";packing={self.packing}" if self.packing else "")
         )
 
     @property
