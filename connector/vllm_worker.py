@@ -273,7 +273,7 @@ class WorkerSide:
         # in between is counted twice (asks less) rather than not at all.
         asking = sum(
             other.asked
-            for other in self._async_loads.values()
+            for other in self._loads()
             if other.acquiring is not None
             and not other.acquiring.done()
             and self._client(self.groups[other.spec.group]) is client
