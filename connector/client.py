@@ -30,6 +30,8 @@ from kvtier.connector.arena import ArenaView
 from kvtier.connector.circuit import CircuitBreaker
 from kvtier.connector.client_later import LaterCalls
 from kvtier.connector.client_session import SessionKeeper, SlotLedger
+from kvtier.connector.client_tools import ToolCalls
+from kvtier.connector.client_wire import meta_chunks, pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -49,11 +51,9 @@ _TRIPS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 """Codes that mean the daemon is not answering: the circuit breaker opens."""
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 """Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
-RESERVE_META_BYTES = 16 << 20
-"""Most engine metadata bytes sent in one Reserve (the daemon allows twice that)."""
 
 
-class DaemonClient:
+class DaemonClient(ToolCalls):
     """A ``LowerTier`` whose host and disk tiers live in a ``kvtier serve`` daemon.
 
     ``target`` is ``unix:/path`` or ``host:port`` (default: the socket of the daemon called
@@ -209,11 +209,11 @@ class DaemonClient:
             return slots
         limits = self._keeper.limits
         room = max(0, limits.max_reserved - len(self._ledger.reserved))
-        for start, end in _chunks(hashes[:room], metas, limits.max_hashes):
+        for start, end in meta_chunks(hashes[:room], metas, limits.max_hashes):
             call_id = next(self._call_ids)
             request = pb.ReserveRequest(
                 session_id=session,
-                hashes=_pack(hashes[start:end]),
+                hashes=pack_hashes(hashes[start:end]),
                 metas=metas[start:end] if metas else (),
                 call_id=call_id,
             )
@@ -282,7 +282,9 @@ class DaemonClient:
         for start in range(0, len(wanted), step):
             chunk = wanted[start : start + step]
             call_id = next(self._call_ids)
-            request = pb.AcquireRequest(session_id=session, hashes=_pack(chunk), call_id=call_id)
+            request = pb.AcquireRequest(
+                session_id=session, hashes=pack_hashes(chunk), call_id=call_id
+            )
             deadline = self.timeout_s + len(chunk) * self.block_bytes / (self.load_gbps * 1e9)
             try:
                 reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
@@ -311,65 +313,6 @@ class DaemonClient:
         first (with the call deadline), so that they see the room releases and aborts made."""
         return self._later.settle(timeout)
 
-    # ---- bytes through gRPC, for a client that cannot map the arena ----
-
-    def put_blocks(
-        self,
-        hashes: Sequence[BlockHash],
-        blocks: Sequence[bytes],
-        metas: Sequence[bytes] | None = None,
-    ) -> int:
-        """Stores whole blocks sent as bytes; returns how many were newly stored."""
-        session = self._usable(bool(hashes))
-        if session is None:
-            return 0
-        if len(hashes) != len(blocks) or (metas is not None and len(metas) != len(hashes)):
-            raise ValueError("hashes, blocks and metas must have the same length")
-
-        def messages():
-            for i, (h, data) in enumerate(zip(hashes, blocks, strict=True)):
-                yield pb.PutRequest(
-                    session_id=session if i == 0 else "",
-                    hash=h,
-                    meta=metas[i] if metas else b"",
-                    data=bytes(data),
-                )
-
-        try:
-            reply = self._stub.Put(
-                messages(), timeout=self._deadline(len(hashes)), metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            self._failed("Put", exc, session)
-            return 0
-        return reply.stored
-
-    def get_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
-        """Copies of the held prefix of ``hashes``, as bytes."""
-        session = self._usable(bool(hashes))
-        if session is None:
-            return []
-        request = pb.GetRequest(session_id=session, hashes=_pack(hashes))
-        blocks: list[bytes] = []
-        try:
-            for reply in self._stub.Get(
-                request, timeout=self._deadline(len(hashes)), metadata=self._metadata
-            ):
-                blocks.append(reply.data)
-        except grpc.RpcError as exc:
-            self._failed("Get", exc, session)
-        return blocks
-
-    def stats(self) -> pb.StatsResponse | None:
-        """The daemon's counters, or None if it cannot be reached."""
-        try:
-            return self._stub.Stats(
-                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            self._failed("Stats", exc, None)
-            return None
-
     # ---- internals ----
 
     def _usable(self, counts: bool) -> str | None:
@@ -381,15 +324,12 @@ class DaemonClient:
             return None
         return session
 
-    def _deadline(self, blocks: int) -> float:
-        return self.timeout_s + blocks * self.block_bytes / (self.load_gbps * 1e9)
-
     def _lookup_from(
         self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
     ) -> None:
         """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
         chunk = hashes[start : start + self._keeper.limits.max_hashes]
-        request = pb.LookupRequest(session_id=session, hashes=_pack(chunk))
+        request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
         call = self._stub.Lookup.future(request, timeout=self.timeout_s, metadata=self._metadata)
 
         def answered(call: grpc.Future) -> None:
@@ -452,26 +392,3 @@ class DaemonClient:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _chunks(
-    hashes: Sequence[BlockHash], metas: Sequence[bytes] | None, max_hashes: int
-) -> list[tuple[int, int]]:
-    """[start, end) ranges of at most ``max_hashes`` hashes and ``RESERVE_META_BYTES`` metas."""
-    ranges, start, size = [], 0, 0
-    for i in range(len(hashes)):
-        meta = len(metas[i]) if metas else 0
-        if i > start and (i - start >= max_hashes or size + meta > RESERVE_META_BYTES):
-            ranges.append((start, i))
-            start, size = i, 0
-        size += meta
-    if start < len(hashes):
-        ranges.append((start, len(hashes)))
-    return ranges
-
-
-def _pack(hashes: Sequence[BlockHash]) -> bytes:
-    packed = b"".join(hashes)
-    if len(packed) != 16 * len(hashes):
-        raise ValueError("every block hash must be 16 bytes")
-    return packed

@@ -70,8 +70,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             model_id = config.model_id or vllm_config.model_config.model
             hash_block_size = kv_cache_config.hash_block_size  # None: vLLM's block size
+            events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(
-                config, groups, model_id, tp_world, hash_block_size, engine_group=group
+                config,
+                groups,
+                model_id,
+                tp_world,
+                hash_block_size,
+                engine_group=group,
+                publish_events=bool(events and events.enable_kv_cache_events),
             )
         else:
             self._worker = WorkerSide(config, groups, _tp_rank(), engine_group=group)
@@ -204,6 +211,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_work()
+
+    def take_events(self):
+        return self.scheduler.take_events()
 
 
 def _tp_rank() -> int:

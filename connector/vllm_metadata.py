@@ -39,6 +39,8 @@ class StoreSpec:
     """Per shard, the parent hash of each block (for the daemon's block events)."""
     group: int = 0
     """The KV cache group of ``block_ids``."""
+    metas: tuple[bytes, ...] = ()
+    """Per block, its vLLM identity (``vllm_events.identities``), stored with shard 0."""
 
 
 @dataclass

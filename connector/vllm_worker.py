@@ -321,18 +321,22 @@ class WorkerSide:
             mine = [spec for spec in specs if spec.group == index]
             if not mine or not group.stores(self.rank):
                 continue  # another rank holding the same shard stores it
+            shard = group.shard(self.rank)
             hashes: list[bytes] = []
+            metas: list[bytes] = []
             block_ids: list[int] = []
             owners: list[str] = []
             for spec in mine:
-                ours = unpack(spec.hashes[group.shard(self.rank)])
+                ours = unpack(spec.hashes[shard])
                 hashes += ours
+                # Routers hear of a block once: the identity goes with shard 0's copy.
+                metas += spec.metas if shard == 0 and spec.metas else [b""] * len(ours)
                 block_ids += spec.block_ids
                 owners += [spec.req_id] * len(ours)
             self._storing.update(owners)  # their requests stay held until the copies land
             if self._track_reads:
                 self._reading.update(block_ids)
-            queue.add(hashes, [], block_ids, owners)
+            queue.add(hashes, metas if any(metas) else [], block_ids, owners)
 
     def _start_stores(self, must: Collection[str] = ()) -> None:
         """Copies the deferred stores whose slots are reserved (waits only for ``must``'s)."""

@@ -23,8 +23,7 @@ from kvtier.service.liveness import process_gone
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
 from kvtier.service.wire import check_hash, invalid
-from kvtier.tiers.host import MAX_META_BYTES
-from kvtier.tiers.lower import NO_SPACE, LowerHits
+from kvtier.tiers.lower import MAX_META_BYTES, NO_SPACE, LowerHits
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.contract import MIN_BLOCK_BYTES
-from kvtier.tiers.host import MAX_META_BYTES
+from kvtier.tiers.lower import MAX_META_BYTES
 
 from daemonutil import (
     BLOCK_BYTES,

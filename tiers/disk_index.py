@@ -23,11 +23,12 @@ from typing import NamedTuple
 
 import lmdb
 
+from kvtier.tiers.lower import MAX_META_BYTES
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
 _READABLE_VERSIONS = (2, 3)  # 2: the same header with no meta after it
-MAX_META_BYTES = 4096
 # big-endian, the checksum last: its bytes are those of ``xxh3_64_digest``
 _ENTRY = struct.Struct(">HQQ16sQQ")
 # order key: big-endian, so LMDB's byte order is access order

@@ -21,6 +21,8 @@ ALREADY_STORED = -1
 """``reserve`` result: this tier or one below holds the hash (or is writing it)."""
 NO_SPACE = -2
 """``reserve`` result: every slot is being read or written right now."""
+MAX_META_BYTES = 4096
+"""Most bytes of engine metadata one block may carry, in every tier."""
 
 DoneFn = Callable[[bool], None]
 

@@ -21,9 +21,9 @@ from typing import Any
 import xxhash
 
 from kvtier.tiers.hashing import HASH_VERSION, check_hash
+from kvtier.tiers.lower import MAX_META_BYTES
 
 FORMAT_VERSION = 1
-MAX_META_BYTES = 4096
 _MAGIC = b"kvtR"
 _SIGNATURE_BYTES = 16
 # magic, format version, flags (none yet), layout signature, block hash, payload length,
