@@ -32,7 +32,7 @@ echo 'certifi==2026.10.18' >"$overrides"
 rm -f "$overrides"
 VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm tests/test_vllm_connector.py \
     tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
-    tests/test_vllm_hits.py
+    tests/test_vllm_hits.py tests/test_vllm_events.py
 
 venv=.venv-vllm-cpu
 [ -x "$venv/bin/python" ] || python -m venv "$venv"

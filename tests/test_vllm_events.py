@@ -1,0 +1,280 @@
+"""kvtier's tiers in vLLM's KV event stream, read the way a cache-aware router reads it (#11).
+
+Each engine is the harness's (vLLM 0.33's real ``Scheduler`` and ``KVTierConnector`` over a
+real daemon) with ``kv_events_config`` on, so vLLM's own ``ZmqEventPublisher`` sends the
+batches. ``Router`` subscribes over ZMQ as llm-d or Dynamo do (asking the replay socket for
+what it missed), decodes each batch into vLLM's event types and, separately, as the plain
+msgpack arrays and maps a non-Python router sees, and keeps a set of block hashes per medium.
+The hashes it expects are computed from token ids with vLLM's algorithm and seed.
+
+Run in the vLLM venv: ``VLLM_TARGET_DEVICE=cpu pytest -m vllm tests/test_vllm_events.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm")
+
+import msgspec
+import test_vllm_connector as harness
+import zmq
+from test_vllm_connector import BLOCK, BLOCK_BYTES, Engine, prompt
+from test_vllm_scheduler import flood
+from vllm.config import KVEventsConfig
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+
+from daemonutil import Daemon, free_port
+
+pytestmark = pytest.mark.vllm
+
+_none_hash = harness._none_hash
+model_dir = harness.model_dir
+TOPIC = "kv"
+WAIT_S = 60.0
+
+
+class Router:
+    """A router's view of one engine's event stream: hashes per medium, every event in order."""
+
+    def __init__(self, port: int, replay_port: int):
+        self._context = zmq.Context()
+        self._sub = self._context.socket(zmq.SUB)
+        self._sub.connect(f"tcp://127.0.0.1:{port}")
+        self._sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        self._replay = self._context.socket(zmq.DEALER)
+        self._replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        self._typed = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.next_seq = 0
+        self.events: list = []
+        self.held: dict[str, set] = defaultdict(set)
+
+    def close(self) -> None:
+        self._context.destroy(linger=0)
+
+    def sync(self) -> None:
+        """Reads what the stream sent; asks the replay socket for anything it missed."""
+        while self._sub.poll(0):
+            _, seq, payload = self._sub.recv_multipart()
+            seq = int.from_bytes(seq, "big")
+            if seq > self.next_seq:
+                self._ask_replay()
+            if seq == self.next_seq:
+                self._apply(seq, payload)
+        self._ask_replay()
+
+    def _ask_replay(self) -> None:
+        self._replay.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
+        while True:
+            assert self._replay.poll(10_000), "the replay socket did not answer"
+            _, _, seq, payload = self._replay.recv_multipart()
+            seq = int.from_bytes(seq, "big", signed=True)
+            if seq == -1:
+                return
+            if seq == self.next_seq:
+                self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        batch = self._typed.decode(payload)
+        plain = msgspec.msgpack.decode(payload)  # [ts, [event maps], dp rank]
+        assert len(plain[1]) == len(batch.events)
+        for event, raw in zip(batch.events, plain[1], strict=True):
+            assert raw["type"] == type(event).__name__
+            if isinstance(event, AllBlocksCleared):
+                continue
+            assert raw["block_hashes"] == list(event.block_hashes)
+            assert raw["medium"] == event.medium
+            held = self.held[event.medium]
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            else:
+                held.difference_update(event.block_hashes)
+            self.events.append(event)
+        self.next_seq = seq + 1
+
+
+def router_hashes(tokens: list[int], blocks: int, salt: str | None = None) -> list[int]:
+    """What a router computes for the first ``blocks`` blocks of ``tokens``: vLLM's chain of
+    sha256 hashes from its fixed seed, the cache salt in the first block's extra keys, in the
+    events' form (the digest's low 64 bits)."""
+    parent, hashes = None, []
+    for i in range(blocks):
+        extra = (("cache_salt", salt),) if salt and i == 0 else None
+        parent = hash_block_tokens(sha256, parent, tokens[i * BLOCK : (i + 1) * BLOCK], extra)
+        hashes.append(maybe_convert_block_hash(parent))
+    return hashes
+
+
+class EventEngine(Engine):
+    """The harness's engine with vLLM's ZMQ event publisher on."""
+
+    def __init__(self, daemon: Daemon, model_dir, monkeypatch, **extra):
+        port, replay = free_port(), free_port()
+        make_config = harness.make_vllm_config
+
+        def with_events(*args):
+            config = make_config(*args)
+            config.kv_events_config = KVEventsConfig(
+                enable_kv_cache_events=True,
+                publisher="zmq",
+                endpoint=f"tcp://*:{port}",
+                replay_endpoint=f"tcp://*:{replay}",
+                topic=TOPIC,
+            )
+            return config
+
+        with monkeypatch.context() as patch:
+            patch.setattr(harness, "make_vllm_config", with_events)
+            super().__init__(daemon, model_dir, **extra)
+        self.router = Router(port, replay)
+
+    def until(self, condition, what: str) -> None:
+        """Steps (vLLM publishes at the end of each step) until the router sees
+        ``condition``; fails after ``WAIT_S``."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            self.step()
+            self.router.sync()
+            if condition(self.router):
+                return
+            assert time.monotonic() < deadline, f"the router never saw {what}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        super().close()
+        self.router.close()
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=32 * BLOCK_BYTES, disk_bytes=96 * BLOCK_BYTES)
+    d.start()
+    yield d
+    d.cleanup()
+
+
+@pytest.fixture
+def make_engine(daemon: Daemon, model_dir, monkeypatch):
+    engines: list[Engine] = []
+
+    def make(**kwargs) -> Engine:
+        engine = EventEngine(daemon, model_dir, monkeypatch, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def ours(router: Router, medium: str, hashes: list[int]) -> set[int]:
+    return router.held[medium] & set(hashes)
+
+
+def kvtier_events(router: Router) -> list:
+    return [e for e in router.events if e.medium in (MEDIUM_CPU, MEDIUM_STORAGE)]
+
+
+def test_tiers_are_announced_stored_pushed_down_and_removed(make_engine, daemon) -> None:
+    engine = make_engine(num_blocks=128)
+    tokens = prompt(1, 4 * BLOCK)
+    engine.add([*tokens, 1], "a")
+    engine.run()
+    want = router_hashes(tokens, 4)
+    engine.until(lambda r: ours(r, MEDIUM_CPU, want) == set(want), "the host tier's blocks")
+    engine.until(lambda r: ours(r, MEDIUM_STORAGE, want) == set(want), "the disk tier's blocks")
+    stored = [e for e in kvtier_events(engine.router) if isinstance(e, BlockStored)]
+    by_hash = {e.block_hashes[0]: e for e in stored if e.medium == MEDIUM_CPU}
+    for i, h in enumerate(want):
+        event = by_hash[h]
+        assert event.token_ids == tokens[i * BLOCK : (i + 1) * BLOCK]
+        assert event.block_size == BLOCK
+        assert event.parent_block_hash == (want[i - 1] if i else None)
+        assert event.group_idx == 0
+        assert event.lora_name is None
+    # Unrelated blocks (no vLLM identity: never announced) push ours out of both tiers.
+    flood(engine, daemon, 160)
+    engine.until(lambda r: not ours(r, MEDIUM_CPU, want), "the host tier's removals")
+    engine.until(lambda r: not ours(r, MEDIUM_STORAGE, want), "the disk tier's removals")
+    removed = [e for e in kvtier_events(engine.router) if isinstance(e, BlockRemoved)]
+    assert {e.medium for e in removed} == {MEDIUM_CPU, MEDIUM_STORAGE}
+    assert all(h in want for e in removed for h in e.block_hashes)
+
+
+def test_another_engine_announces_and_loads_what_one_stored(make_engine, daemon) -> None:
+    first = make_engine(num_blocks=128)
+    tokens = prompt(2, 4 * BLOCK)
+    first.add([*tokens, 1], "a")
+    first.run()
+    want = set(router_hashes(tokens, 4))
+    first.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "the first engine's blocks")
+    # The second engine attaches later: its replay announces what the tiers already hold.
+    second = make_engine(num_blocks=128)
+    second.until(lambda r: ours(r, MEDIUM_CPU, want) == want, "the first engine's host blocks")
+    second.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "its disk blocks")
+    second.add([*tokens, 2], "b")
+    second.run()
+    assert second.stats["loaded_blocks"] == 4
+    # A restarted daemon has an empty host tier and the same disk tier: the host blocks are
+    # withdrawn and the disk tier announced again.
+    daemon.kill()
+    mark = len(second.router.events)
+    daemon.start()
+
+    def disk_announced_again(router: Router) -> bool:
+        again = {
+            h
+            for e in router.events[mark:]
+            if isinstance(e, BlockStored) and e.medium == MEDIUM_STORAGE
+            for h in e.block_hashes
+        }
+        return want <= again and not ours(router, MEDIUM_CPU, want)
+
+    second.until(disk_announced_again, "the disk tier announced after the restart")
+
+
+def test_salted_blocks_appear_only_under_their_salt(make_engine) -> None:
+    engine = make_engine(num_blocks=128)
+    tokens = prompt(3, 3 * BLOCK)
+    for salt in ("red", "blue"):
+        engine.add([*tokens, 1], salt, cache_salt=salt)
+    engine.run()
+    red, blue = (set(router_hashes(tokens, 3, salt)) for salt in ("red", "blue"))
+    engine.until(lambda r: ours(r, MEDIUM_CPU, red | blue) == red | blue, "both salts' host blocks")
+    assert not red & blue
+    unsalted = set(router_hashes(tokens, 3))
+    announced = {h for e in kvtier_events(engine.router) for h in e.block_hashes}
+    assert not announced & unsalted
+    assert announced <= red | blue
+
+
+def test_only_blocks_this_engine_can_load_are_announced(make_engine) -> None:
+    other = make_engine(num_blocks=128, model_id="another-model")
+    theirs = prompt(4, 3 * BLOCK)
+    other.add([*theirs, 1], "theirs")
+    other.run()
+    mine = make_engine(num_blocks=128)
+    tokens = prompt(5, 3 * BLOCK)
+    mine.add([*tokens, 1], "mine")
+    mine.run()
+    want = set(router_hashes(tokens, 3))
+    # The replay came first (the other model's blocks were in the tiers), then our blocks.
+    mine.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "this model's blocks")
+    announced = {h for e in kvtier_events(mine.router) for h in e.block_hashes}
+    assert announced == want
+    other.until(lambda r: ours(r, MEDIUM_CPU, set(router_hashes(theirs, 3))), "its blocks")
+    assert not {h for e in kvtier_events(other.router) for h in e.block_hashes} & want
