@@ -2,10 +2,8 @@
 
 Each engine is the harness's (vLLM 0.33's real ``Scheduler`` and ``KVTierConnector`` over a
 real daemon) with ``kv_events_config`` on, so vLLM's own ``ZmqEventPublisher`` sends the
-batches. ``Router`` subscribes over ZMQ as llm-d or Dynamo do (asking the replay socket for
-what it missed), decodes each batch into vLLM's event types and, separately, as the plain
-msgpack arrays and maps a non-Python router sees, and keeps a set of block hashes per medium.
-The hashes it expects are computed from token ids with vLLM's algorithm and seed.
+batches. ``eventutil.Router`` reads them as a router does and keeps the block hashes each
+medium holds; the hashes expected are computed from token ids with vLLM's algorithm and seed.
 
 Run in the vLLM venv: ``VLLM_TARGET_DEVICE=cpu pytest -m vllm tests/test_vllm_events.py``.
 """
@@ -14,109 +12,26 @@ from __future__ import annotations
 
 import os
 import time
-from collections import defaultdict
 
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
-import msgspec
 import test_vllm_connector as harness
-import zmq
 from test_vllm_connector import BLOCK, BLOCK_BYTES, Engine, prompt
 from test_vllm_scheduler import flood
 from vllm.config import KVEventsConfig
-from vllm.distributed.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_STORAGE,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
 from daemonutil import Daemon, free_port
+from eventutil import Router, events_config, router_hashes
 
 pytestmark = pytest.mark.vllm
 
 _none_hash = harness._none_hash
 model_dir = harness.model_dir
-TOPIC = "kv"
 WAIT_S = 60.0
-
-
-class Router:
-    """A router's view of one engine's event stream: hashes per medium, every event in order."""
-
-    def __init__(self, port: int, replay_port: int):
-        self._context = zmq.Context()
-        self._sub = self._context.socket(zmq.SUB)
-        self._sub.connect(f"tcp://127.0.0.1:{port}")
-        self._sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
-        self._replay = self._context.socket(zmq.DEALER)
-        self._replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        self._typed = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self.next_seq = 0
-        self.events: list = []
-        self.held: dict[str, set] = defaultdict(set)
-
-    def close(self) -> None:
-        self._context.destroy(linger=0)
-
-    def sync(self) -> None:
-        """Reads what the stream sent; asks the replay socket for anything it missed."""
-        while self._sub.poll(0):
-            _, seq, payload = self._sub.recv_multipart()
-            seq = int.from_bytes(seq, "big")
-            if seq > self.next_seq:
-                self._ask_replay()
-            if seq == self.next_seq:
-                self._apply(seq, payload)
-        self._ask_replay()
-
-    def _ask_replay(self) -> None:
-        self._replay.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
-        while True:
-            assert self._replay.poll(10_000), "the replay socket did not answer"
-            _, _, seq, payload = self._replay.recv_multipart()
-            seq = int.from_bytes(seq, "big", signed=True)
-            if seq == -1:
-                return
-            if seq == self.next_seq:
-                self._apply(seq, payload)
-
-    def _apply(self, seq: int, payload: bytes) -> None:
-        batch = self._typed.decode(payload)
-        plain = msgspec.msgpack.decode(payload)  # [ts, [event maps], dp rank]
-        assert len(plain[1]) == len(batch.events)
-        for event, raw in zip(batch.events, plain[1], strict=True):
-            assert raw["type"] == type(event).__name__
-            if isinstance(event, AllBlocksCleared):
-                continue
-            assert raw["block_hashes"] == list(event.block_hashes)
-            assert raw["medium"] == event.medium
-            held = self.held[event.medium]
-            if isinstance(event, BlockStored):
-                held.update(event.block_hashes)
-            else:
-                held.difference_update(event.block_hashes)
-            self.events.append(event)
-        self.next_seq = seq + 1
-
-
-def router_hashes(tokens: list[int], blocks: int, salt: str | None = None) -> list[int]:
-    """What a router computes for the first ``blocks`` blocks of ``tokens``: vLLM's chain of
-    sha256 hashes from its fixed seed, the cache salt in the first block's extra keys, in the
-    events' form (the digest's low 64 bits)."""
-    parent, hashes = None, []
-    for i in range(blocks):
-        extra = (("cache_salt", salt),) if salt and i == 0 else None
-        parent = hash_block_tokens(sha256, parent, tokens[i * BLOCK : (i + 1) * BLOCK], extra)
-        hashes.append(maybe_convert_block_hash(parent))
-    return hashes
 
 
 class EventEngine(Engine):
@@ -128,13 +43,7 @@ class EventEngine(Engine):
 
         def with_events(*args):
             config = make_config(*args)
-            config.kv_events_config = KVEventsConfig(
-                enable_kv_cache_events=True,
-                publisher="zmq",
-                endpoint=f"tcp://*:{port}",
-                replay_endpoint=f"tcp://*:{replay}",
-                topic=TOPIC,
-            )
+            config.kv_events_config = KVEventsConfig(**events_config(port, replay))
             return config
 
         with monkeypatch.context() as patch:
@@ -194,7 +103,7 @@ def test_tiers_are_announced_stored_pushed_down_and_removed(make_engine, daemon)
     tokens = prompt(1, 4 * BLOCK)
     engine.add([*tokens, 1], "a")
     engine.run()
-    want = router_hashes(tokens, 4)
+    want = router_hashes(tokens, 4, BLOCK)
     engine.until(lambda r: ours(r, MEDIUM_CPU, want) == set(want), "the host tier's blocks")
     engine.until(lambda r: ours(r, MEDIUM_STORAGE, want) == set(want), "the disk tier's blocks")
     stored = [e for e in kvtier_events(engine.router) if isinstance(e, BlockStored)]
@@ -220,7 +129,7 @@ def test_another_engine_announces_and_loads_what_one_stored(make_engine, daemon)
     tokens = prompt(2, 4 * BLOCK)
     first.add([*tokens, 1], "a")
     first.run()
-    want = set(router_hashes(tokens, 4))
+    want = set(router_hashes(tokens, 4, BLOCK))
     first.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "the first engine's blocks")
     # The second engine attaches later: its replay announces what the tiers already hold.
     second = make_engine(num_blocks=128)
@@ -253,10 +162,10 @@ def test_salted_blocks_appear_only_under_their_salt(make_engine) -> None:
     for salt in ("red", "blue"):
         engine.add([*tokens, 1], salt, cache_salt=salt)
     engine.run()
-    red, blue = (set(router_hashes(tokens, 3, salt)) for salt in ("red", "blue"))
+    red, blue = (set(router_hashes(tokens, 3, BLOCK, salt)) for salt in ("red", "blue"))
     engine.until(lambda r: ours(r, MEDIUM_CPU, red | blue) == red | blue, "both salts' host blocks")
     assert not red & blue
-    unsalted = set(router_hashes(tokens, 3))
+    unsalted = set(router_hashes(tokens, 3, BLOCK))
     announced = {h for e in kvtier_events(engine.router) for h in e.block_hashes}
     assert not announced & unsalted
     assert announced <= red | blue
@@ -271,10 +180,10 @@ def test_only_blocks_this_engine_can_load_are_announced(make_engine) -> None:
     tokens = prompt(5, 3 * BLOCK)
     mine.add([*tokens, 1], "mine")
     mine.run()
-    want = set(router_hashes(tokens, 3))
+    want = set(router_hashes(tokens, 3, BLOCK))
     # The replay came first (the other model's blocks were in the tiers), then our blocks.
     mine.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "this model's blocks")
     announced = {h for e in kvtier_events(mine.router) for h in e.block_hashes}
     assert announced == want
-    other.until(lambda r: ours(r, MEDIUM_CPU, set(router_hashes(theirs, 3))), "its blocks")
+    other.until(lambda r: ours(r, MEDIUM_CPU, set(router_hashes(theirs, 3, BLOCK))), "its blocks")
     assert not {h for e in kvtier_events(other.router) for h in e.block_hashes} & want
