@@ -9,9 +9,11 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
 * one client times store (Reserve → copy into the arena → Commit) and load (Acquire → copy out
   → Release) of batches of blocks, beside ``memcpy_gbps``: the same tensor copy between two
   private buffers measured in the same run. ``store_ratio``/``load_ratio`` divide by it;
-* a second daemon WITH its disk tier times the same stores (``store_commit_gbps``, as a
-  ratio to memcpy): commits return once the blocks are readable in the host tier and the disk
-  writes happen behind them, so the host tier should absorb a burst at memcpy speed. It then
+* a second daemon WITH its disk tier times a burst of stores (``store_commit_gbps``, as a
+  ratio to memcpy), pipelined as the connector's worker stores (the next Reserve and the last
+  Commit on helper threads while a batch is copied): commits return once the blocks are
+  readable in the host tier and the disk writes happen behind them, so the host tier should
+  absorb a burst at memcpy speed. It then
   times the disk draining that burst (``disk_drain_gbps``) beside ``disk_raw_write_gbps``,
   sequential O_DIRECT writes to the same file system measured in the same run;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
