@@ -12,7 +12,8 @@ looks up hashes and plans loads and stores; the worker role (``vllm_worker.Worke
 copies blocks. This module only routes vLLM's calls to the side that serves them; the keys of
 ``kv_connector_extra_config`` are in ``vllm_config.KVTierConfig``. It supports vLLM's hybrid
 KV cache manager (``SupportsHMA``): each KV cache group is stored and loaded on its own
-(``vllm_groups``).
+(``vllm_groups``). With vLLM's ``--kv-events-config`` the scheduler role also publishes what
+the daemon's host and disk tiers hold, in vLLM's KV events (``vllm_events``).
 """
 
 from __future__ import annotations

@@ -35,8 +35,6 @@ class StoreSpec:
     req_id: str
     block_ids: list[int]
     hashes: tuple[bytes, ...]
-    parents: tuple[bytes, ...]
-    """Per shard, the parent hash of each block (for the daemon's block events)."""
     group: int = 0
     """The KV cache group of ``block_ids``."""
     metas: tuple[bytes, ...] = ()

@@ -104,14 +104,6 @@ class RequestHashes:
         """Per shard, the packed hashes of blocks ``[start, end)``."""
         return tuple(pack(chain[start:end]) for _, chain in self._chains)
 
-    def packed_parents(self, start: int, end: int) -> tuple[bytes, ...]:
-        """Per shard, the packed parent hash of each block in ``[start, end)``."""
-        out = []
-        for seed, chain in self._chains:
-            parents = chain[start - 1 : end - 1] if start > 0 else [seed, *chain[: end - 1]]
-            out.append(pack(parents))
-        return tuple(out)
-
     def _follow(self, vllm_hashes: Sequence[object]) -> None:
         """Cuts the chain back to the blocks whose vLLM hash is still the one it hashed."""
         marks = self._marks

@@ -240,7 +240,6 @@ class SchedulerSide(HitPlanning):
                     req_id=request.request_id,
                     block_ids=state.block_ids[g][start:stop],
                     hashes=hashes.packed(start, stop),
-                    parents=hashes.packed_parents(start, stop),
                     group=group.index,
                     metas=identities(
                         request,

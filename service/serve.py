@@ -19,9 +19,9 @@ import errno
 import logging
 import os
 import signal
-import sys
 import socket
 import stat
+import sys
 from pathlib import Path
 
 import grpc
