@@ -16,6 +16,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
 from kvtier.service.arena import Arena
@@ -182,7 +183,9 @@ class LayoutStore:
                 sync=sync,
                 flush_interval_s=flush_interval_s,
             )
-        except (OSError, RuntimeError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError, lmdb.Error) as exc:
+            # lmdb.Error: LMDB's own ENOSPC or map-full at open, which the disk tier raises
+            # as it is (it is no damage to repair).
             self.disk_state = f"unavailable: {exc}"
             log.error(
                 "layout %s: disk tier %s unavailable, host tier only: %s", self.hex, path, exc

@@ -67,6 +67,7 @@ def test_lost_live_client_slots_stay_held_until_quarantine_ends(daemon, monkeypa
     host = daemon.store.get(LAYOUT).host
     assert host.reserve([gone])[0] >= 0  # the dead client's slot came back at once
     assert host.reserve([live]) == [ALREADY_STORED]  # the live one's is still held
+    assert daemon.stats()["layouts"][0]["quarantined_slots"] == 1  # and shown as held
     daemon.reap()
     assert host.reserve([live]) == [ALREADY_STORED]
     later = daemon_module.time.monotonic() + daemon_module.QUARANTINE_S + 1

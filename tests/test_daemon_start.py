@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.connector.client import DaemonClient
 from kvtier.proto import contract
 from kvtier.service import config
 from kvtier.service.config import ConfigError, DaemonConfig
@@ -196,6 +197,25 @@ def test_socket_directory_writable_by_others_is_refused(tmp_path):
             contract.ensure_socket_dir(tmp_path)
     os.chmod(tmp_path, 0o755)  # readable by others is fine: connecting needs the socket's mode
     contract.ensure_socket_dir(tmp_path)
+
+
+def test_a_client_does_not_connect_through_a_directory_others_can_write(caplog):
+    """The client checks too: a daemon's socket in a directory someone else could have put
+    their own socket into is not used until the directory is private again."""
+    daemon = Daemon().start()
+    client = None
+    try:
+        os.chmod(daemon.root, 0o777)
+        client = DaemonClient(SIGNATURE, BLOCK_BYTES, block_tokens=16, target=daemon.target)
+        with caplog.at_level(logging.ERROR, logger="kvtier.connector.client_session"):
+            assert not client.wait_connected(1.0)
+        assert "mode 0777" in caplog.text
+        os.chmod(daemon.root, 0o700)
+        assert client.wait_connected(30)
+    finally:
+        if client is not None:
+            client.close()
+        daemon.cleanup()
 
 
 def test_socket_directory_of_another_user_is_refused(tmp_path):

@@ -1,0 +1,168 @@
+"""One client cannot starve the others, and a disk tier that cannot open costs only the disk
+(issue #10): slot shares and disk faults on the daemon's own ``Daemon`` object in process; the
+watcher cap and per-method request bounds on a real ``kvtier serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import uuid
+
+import grpc
+import lmdb
+import pytest
+
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.contract import PROTOCOL_VERSION, pid_namespace
+from kvtier.service import layout_store
+from kvtier.service.config import DaemonConfig
+from kvtier.service.daemon import Daemon
+from kvtier.service.events import EventHub
+from kvtier.service.store import BlockStore
+from kvtier.tiers.lower import NO_SPACE
+
+from daemonutil import Daemon as DaemonProcess
+from daemonutil import wait_until
+
+BLOCK = 4096
+LAYOUT = b"q" * 16
+
+
+@pytest.fixture
+def make_daemon():
+    made: list[tuple[Daemon, asyncio.AbstractEventLoop]] = []
+
+    def make(**config) -> Daemon:
+        cfg = DaemonConfig(name=f"unit-{uuid.uuid4().hex[:8]}", **config)
+        loop = asyncio.new_event_loop()
+        daemon = Daemon(cfg, BlockStore(cfg, EventHub(loop)))
+        made.append((daemon, loop))
+        return daemon
+
+    yield make
+    for daemon, loop in made:
+        daemon.shutdown()
+        loop.close()
+
+
+def session(daemon: Daemon, name: str) -> str:
+    opened = daemon.open(
+        name,
+        LAYOUT,
+        BLOCK,
+        16,
+        PROTOCOL_VERSION,
+        client_pid=os.getpid(),
+        client_pid_ns=pid_namespace(),
+    )
+    daemon.attach(opened.session.session_id)
+    return opened.session.session_id
+
+
+def hashes(tag: bytes, n: int) -> list[bytes]:
+    return [tag + bytes([i]) * 15 for i in range(n)]
+
+
+def test_a_session_reserves_and_acquires_only_its_share(make_daemon) -> None:
+    daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=0)  # a share of 0.5: 4 slots
+    greedy, other = session(daemon, "greedy"), session(daemon, "other")
+    blocks = hashes(b"a", 8)
+    slots = daemon.reserve(greedy, blocks)
+    assert all(slot >= 0 for slot in slots[:4])
+    assert slots[4:] == [NO_SPACE] * 4
+    theirs = daemon.reserve(other, blocks[4:])  # the rest of the host tier is still free
+    assert all(slot >= 0 for slot in theirs)
+    daemon.commit(greedy, slots[:4])
+    daemon.commit(other, theirs)
+    # Every block is readable, but one session reads at most its share at once: a shorter hit.
+    mine, _ = daemon.acquire(greedy, blocks)
+    assert len(mine) == 4
+    assert len(daemon.acquire(other, blocks)[0]) == 4
+    daemon.release(greedy, mine)
+    assert len(daemon.acquire(greedy, blocks)[0]) == 4
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lmdb.DiskError("mdb_env_open: No space left on device"),
+        lmdb.MapFullError("mdb_put: MDB_MAP_FULL"),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+    ids=["lmdb-disk-error", "lmdb-map-full", "enospc"],
+)
+def test_a_disk_tier_that_cannot_open_leaves_the_layout_host_only(
+    make_daemon, tmp_path, monkeypatch, error
+) -> None:
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(layout_store, "DiskTier", refuse)
+    daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=64 * BLOCK, data_dir=tmp_path)
+    sid = session(daemon, "c")  # the Open succeeds: the layout serves from its host tier
+    blocks = hashes(b"d", 2)
+    slots = daemon.reserve(sid, blocks)
+    daemon.commit(sid, slots)
+    assert daemon.lookup(sid, blocks).host == 2
+    (layout,) = daemon.stats()["layouts"]
+    assert layout["disk"].startswith("unavailable: ")
+    assert daemon.store.get(LAYOUT).disk is None
+
+
+def test_a_new_layouts_files_are_private_and_its_empty_disk_tier_is_reported(
+    make_daemon, tmp_path
+) -> None:
+    daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=64 * BLOCK, data_dir=tmp_path)
+    session(daemon, "c")
+    layout_dir = tmp_path / LAYOUT.hex()
+    assert layout_dir.stat().st_mode & 0o777 == 0o700
+    assert (layout_dir / "namespace.json").stat().st_mode & 0o777 == 0o600
+    stats = daemon.stats()
+    (disk,) = [tier for tier in stats["tiers"] if tier["tier"] == "disk"]
+    assert disk["used_blocks"] == 0
+    assert disk["capacity_blocks"] > 0
+    (layout,) = stats["layouts"]
+    assert layout["disk"] == "ok"
+    assert layout["quarantined_slots"] == 0
+
+
+@pytest.fixture
+def served():
+    daemon = DaemonProcess(extra=["--max-watchers", "2"]).start()
+    yield daemon
+    daemon.cleanup()
+
+
+def test_watchers_beyond_the_cap_are_refused(served) -> None:
+    channel, stub = served.stub()
+    with channel:
+        watching = [stub.WatchEvents(pb.WatchRequest()) for _ in range(2)]
+        wait_until(lambda: served.stats().watchers == 2, "two watchers")
+        with pytest.raises(grpc.RpcError) as refused:
+            next(stub.WatchEvents(pb.WatchRequest()))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for call in watching:
+            call.cancel()
+        wait_until(lambda: served.stats().watchers == 0, "the watchers gone")
+        # A place freed is a place taken again.
+        again = stub.WatchEvents(pb.WatchRequest())
+        wait_until(lambda: served.stats().watchers == 1, "a new watcher")
+        again.cancel()
+
+
+@pytest.mark.parametrize(
+    ("method", "size"),
+    [("Stats", 100 << 10), ("Lookup", 2 << 20), ("Commit", 1 << 20)],
+)
+def test_a_request_over_its_methods_bound_is_refused_before_decoding(
+    served, method: str, size: int
+) -> None:
+    channel, _ = served.stub()
+    with channel:
+        call = channel.unary_unary(f"/kvtier.v1.KvTier/{method}")  # bytes as they are
+        with pytest.raises(grpc.RpcError) as refused:
+            call(b"\x0a" + b"\xff" * (size - 1), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert method in refused.value.details()
+    assert served.stats().sessions == 0  # and the daemon serves on
