@@ -23,6 +23,7 @@ import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.proto.contract import HASH_BYTES
 from kvtier.service.arena import ArenaError
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import STORED, BlockEvent, EventHub, TooManyWatchers
@@ -40,6 +41,7 @@ GET_CHUNK = 8
 WATCH_BATCH = 1024
 INLINE_BATCH = 256
 """Batches up to this many hashes or slots are served on the event loop; larger go to a thread."""
+
 WORKERS = 8
 
 _CODES = {
@@ -125,6 +127,11 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 f"{peer}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
             )
 
+    def _hashes(self, request) -> list[bytes]:
+        """The request's packed hashes, unpacked (bounded): called where the call runs, so a
+        large batch is unpacked on a worker thread and not on the event loop."""
+        return split_hashes(request.hashes, self.max)
+
     async def _run(self, fn: Callable[[], object], heavy: bool = True) -> object:
         if not heavy:
             return fn()
@@ -191,26 +198,25 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @_unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        hashes = split_hashes(request.hashes, self.max)
+        peer = _peer(context)
         hits = await self._run(
-            functools.partial(self.daemon.lookup, request.session_id, hashes, _peer(context)),
-            heavy=len(hashes) > INLINE_BATCH,
+            lambda: self.daemon.lookup(request.session_id, self._hashes(request), peer),
+            heavy=_heavy(request.hashes),
         )
         return pb.LookupResponse(host=hits.host, disk=hits.disk, remote=hits.remote)
 
     @_unary
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        hashes = split_hashes(request.hashes, self.max)
+        peer = _peer(context)
         slots = await self._run(
-            functools.partial(
-                self.daemon.reserve,
+            lambda: self.daemon.reserve(
                 request.session_id,
-                hashes,
+                self._hashes(request),
                 list(request.metas),
                 request.call_id,
-                _peer(context),
+                peer,
             ),
-            heavy=len(hashes) > INLINE_BATCH,
+            heavy=_heavy(request.hashes),
         )
         return pb.ReserveResponse(slots=slots)
 
@@ -231,10 +237,10 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @_unary
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        hashes = split_hashes(request.hashes, self.max)
+        peer = _peer(context)
         slots, sources = await self._run(
-            functools.partial(
-                self.daemon.acquire, request.session_id, hashes, request.call_id, _peer(context)
+            lambda: self.daemon.acquire(
+                request.session_id, self._hashes(request), request.call_id, peer
             )
         )
         return pb.AcquireResponse(
@@ -390,3 +396,8 @@ def _event(event: BlockEvent) -> pb.BlockEvent:
         meta=event.meta,
         layout_signature=event.layout,
     )
+
+
+def _heavy(packed_hashes: bytes) -> bool:
+    """Whether a call naming these hashes runs on a worker thread (see ``INLINE_BATCH``)."""
+    return len(packed_hashes) > INLINE_BATCH * HASH_BYTES
