@@ -1,12 +1,14 @@
-"""One client cannot starve the others, and a disk tier that cannot open costs only the disk
-(issue #10): slot shares and disk faults on the daemon's own ``Daemon`` object in process; the
-watcher cap and per-method request bounds on a real ``kvtier serve``."""
+"""One client cannot starve the others, a disk tier that cannot open costs only the disk
+(issue #10), and a disk write in flight never changes what a lookup promises (#8): slot shares,
+disk faults and write-behind on the daemon's own ``Daemon`` object in process; the watcher cap
+and per-method request bounds on a real ``kvtier serve``."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
 import os
+import threading
 import uuid
 
 import grpc
@@ -20,6 +22,7 @@ from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
 from kvtier.service.store import BlockStore
+from kvtier.tiers import disk_writer
 from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon as DaemonProcess
@@ -125,6 +128,38 @@ def test_a_new_layouts_files_are_private_and_its_empty_disk_tier_is_reported(
     (layout,) = stats["layouts"]
     assert layout["disk"] == "ok"
     assert layout["quarantined_slots"] == 0
+
+
+def test_a_block_whose_disk_write_is_in_flight_is_a_host_hit(make_daemon, tmp_path, monkeypatch):
+    """#8 item 11: a commit is readable at once, its disk write behind it; while that write is
+    in flight Lookup answers a host hit, and Acquire delivers it from the host tier (the disk
+    tier used to be written first, and a Lookup then promised a disk hit Acquire refused)."""
+    writing, go_on = threading.Event(), threading.Event()
+    process = disk_writer.DiskWriter._process
+
+    def held_process(self, batch):
+        writing.set()
+        go_on.wait(60)
+        process(self, batch)
+
+    monkeypatch.setattr(disk_writer.DiskWriter, "_process", held_process)
+    daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=64 * BLOCK, data_dir=tmp_path)
+    sid = session(daemon, "c")
+    try:
+        blocks = hashes(b"w", 2)
+        daemon.commit(sid, daemon.reserve(sid, blocks))
+        assert writing.wait(30)
+        (layout,) = daemon.stats()["layouts"]
+        assert layout["writing_behind"] == 2
+        hits = daemon.lookup(sid, blocks)
+        assert (hits.host, hits.disk) == (2, 0)
+        slots, sources = daemon.acquire(sid, blocks)
+        assert len(slots) == 2
+        assert (sources.host, sources.disk) == (2, 0)
+        daemon.release(sid, slots)
+    finally:
+        go_on.set()
+    wait_until(lambda: daemon.stats()["layouts"][0]["writing_behind"] == 0, "the writes done")
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Loads larger than the host tier stream through it, a chunk at a time.
+"""Loads larger than the host tier stream through it, a chunk at a time, and give their slots
+back at once.
 
 A session may hold at most half the host slots, and a hit may be several times the whole
 host tier when most of it lies on disk. The worker asks for one chunk the session has room
@@ -9,6 +10,7 @@ waiting.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -22,7 +24,7 @@ from kvtier.connector.vllm_loads import STARVED_S, StreamedLoad
 from kvtier.connector.vllm_metadata import LoadSpec
 from kvtier.tiers.transfer import Transfer
 
-from daemonutil import Daemon
+from daemonutil import Daemon, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -130,3 +132,48 @@ def test_a_load_without_room_gives_up_its_blocks_after_a_while():
     load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + STARVED_S)
     assert load.landed
     assert rec.failed == [2, 3, 4, 5]  # what was copied stays; vLLM recomputes the rest
+
+
+def test_a_release_goes_out_while_a_commit_is_held_up(make_engine, daemon, monkeypatch) -> None:
+    """#8 item 10: a load's slots go back to the daemon at once, never queued behind a store's
+    Commit (one thread used to send both: a slow commit kept every slot read since)."""
+    first = make_engine(num_blocks=64)
+    shared = prompt(31, 4 * BLOCK)
+    first.add([*shared, 1], "stored")
+    first.run()
+    second = make_engine(num_blocks=64)
+    side = second.worker.worker
+    client = side._client(side.groups[0])
+    committing, go_on = threading.Event(), threading.Event()
+    commit = client.commit
+
+    def held_commit(slots):
+        committing.set()
+        go_on.wait(120)
+        return commit(slots)
+
+    monkeypatch.setattr(client, "commit", held_commit)
+    try:
+        second.add([*prompt(32, 2 * BLOCK), 1], "storing")
+        for _ in range(50):
+            second.step()
+            if committing.wait(0.1):
+                break
+        assert committing.is_set(), "the store never reached its commit"
+        second.add([*shared, 2], "loading")
+        for _ in range(50):
+            if not second.step():
+                side.wait_for_loads(timeout=60)
+            if second.stats.get("loaded_blocks", 0) >= 4:
+                break
+        assert second.stats.get("loaded_blocks") == 4
+        wait_until(
+            lambda: harness.daemon_stats(daemon)["acquired_slots"] == 0,
+            "the loaded slots released while the commit is held up",
+            timeout=30,
+        )
+        assert not go_on.is_set()
+    finally:
+        go_on.set()
+    second.run()
+    assert_scheduler_empty(second.scheduler)
