@@ -9,12 +9,14 @@ import asyncio
 import errno
 import os
 import threading
+import time
 import uuid
 
 import grpc
 import lmdb
 import pytest
 
+from kvtier.bench.redis_server import RedisProcess
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.contract import PROTOCOL_VERSION, pid_namespace
 from kvtier.service import layout_store
@@ -26,7 +28,7 @@ from kvtier.tiers import disk_writer
 from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon as DaemonProcess
-from daemonutil import wait_until
+from daemonutil import block_hash, open_session, store, wait_until
 
 BLOCK = 4096
 LAYOUT = b"q" * 16
@@ -201,3 +203,34 @@ def test_a_request_over_its_methods_bound_is_refused_before_decoding(
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert method in refused.value.details()
     assert served.stats().sessions == 0  # and the daemon serves on
+
+
+def test_a_small_lookup_is_answered_while_a_heavy_one_waits_for_the_store() -> None:
+    """Heavy calls run on worker threads: while a 2,000-hash Lookup waits for a frozen remote
+    store, a small Lookup of host hits (which never asks the store) is answered at once."""
+    with RedisProcess() as server:
+        extra = ["--remote", server.url, "--remote-lookup-timeout-s", "30"]
+        daemon = DaemonProcess(extra=extra).start()
+        try:
+            client = daemon.client(client_name="owner")
+            held = [block_hash("small", i) for i in range(4)]
+            assert store(client, held) == held
+            channel, stub = daemon.stub()
+            with channel:
+                sid = open_session(stub).session_id
+                misses = b"".join(block_hash("heavy", i) for i in range(2000))
+                server.pause()
+                heavy = stub.Lookup.future(
+                    pb.LookupRequest(session_id=sid, hashes=misses), timeout=60
+                )
+                time.sleep(0.5)  # let it reach the store (not a timing assertion)
+                small = stub.Lookup(
+                    pb.LookupRequest(session_id=sid, hashes=b"".join(held)), timeout=20
+                )
+                assert small.host == len(held)
+                assert not heavy.done()
+                server.resume()
+                assert heavy.result().host == 0
+            client.close()
+        finally:
+            daemon.cleanup()
