@@ -76,6 +76,14 @@ def _peer(context: grpc.aio.ServicerContext) -> str:
     return peer if peer.startswith(("ipv4:", "ipv6:")) else ""
 
 
+def _log_source(peer: str) -> str:
+    """Whom a refusal is logged against: a TCP peer's host without its port, so that a client
+    opening a new connection per call still gets one line per kind."""
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rsplit(":", 1)[0]
+    return peer
+
+
 Handler = Callable[["KvTierServicer", object, grpc.aio.ServicerContext], Awaitable[object]]
 
 
@@ -124,7 +132,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         if isinstance(exc, RequestError) and exc.kind:
             peer = context.peer() or "?"
             self._limiter.warning(
-                f"{peer}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
+                f"{_log_source(peer)}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
             )
 
     def _hashes(self, request) -> list[bytes]:

@@ -8,6 +8,7 @@ import pytest
 from kvtier.connector.client import DaemonClient
 from kvtier.service import config
 from kvtier.service.arena import Arena, ArenaError
+from kvtier.service.servicer import _log_source
 from kvtier.service.sessions import (
     ACQUIRE,
     RESERVE,
@@ -127,6 +128,14 @@ def test_arena_is_private_and_exclusive(tmp_path):
     finally:
         arena.close()
     assert not arena.path.exists()
+
+
+def test_refusals_are_logged_per_host_not_per_connection():
+    """A client that opens a new TCP connection per call is still one source of log lines."""
+    assert _log_source("ipv4:10.0.0.7:40001") == _log_source("ipv4:10.0.0.7:40002")
+    assert _log_source("ipv6:[::1]:40001") == _log_source("ipv6:[::1]:40002") == "ipv6:[::1]"
+    assert _log_source("ipv4:10.0.0.7:1") != _log_source("ipv4:10.0.0.8:1")
+    assert _log_source("unix:/run/kvtier.sock") == "unix:/run/kvtier.sock"
 
 
 def test_wire_bounds():
