@@ -98,6 +98,11 @@ def kvtier_events(router: Router) -> list:
     return [e for e in router.events if e.medium in (MEDIUM_CPU, MEDIUM_STORAGE)]
 
 
+def announced(router: Router) -> set[int]:
+    """Every hash kvtier's tiers ever named in the stream, stored or removed."""
+    return {h for e in kvtier_events(router) for h in e.block_hashes}
+
+
 def test_tiers_are_announced_stored_pushed_down_and_removed(make_engine, daemon) -> None:
     engine = make_engine(num_blocks=128)
     tokens = prompt(1, 4 * BLOCK)
@@ -166,9 +171,8 @@ def test_salted_blocks_appear_only_under_their_salt(make_engine) -> None:
     engine.until(lambda r: ours(r, MEDIUM_CPU, red | blue) == red | blue, "both salts' host blocks")
     assert not red & blue
     unsalted = set(router_hashes(tokens, 3, BLOCK))
-    announced = {h for e in kvtier_events(engine.router) for h in e.block_hashes}
-    assert not announced & unsalted
-    assert announced <= red | blue
+    assert not announced(engine.router) & unsalted
+    assert announced(engine.router) <= red | blue
 
 
 def test_only_blocks_this_engine_can_load_are_announced(make_engine) -> None:
@@ -183,7 +187,6 @@ def test_only_blocks_this_engine_can_load_are_announced(make_engine) -> None:
     want = set(router_hashes(tokens, 3, BLOCK))
     # The replay came first (the other model's blocks were in the tiers), then our blocks.
     mine.until(lambda r: ours(r, MEDIUM_STORAGE, want) == want, "this model's blocks")
-    announced = {h for e in kvtier_events(mine.router) for h in e.block_hashes}
-    assert announced == want
+    assert announced(mine.router) == want
     other.until(lambda r: ours(r, MEDIUM_CPU, set(router_hashes(theirs, 3, BLOCK))), "its blocks")
-    assert not {h for e in kvtier_events(other.router) for h in e.block_hashes} & want
+    assert not announced(other.router) & want
