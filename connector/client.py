@@ -7,11 +7,12 @@
 It never raises into the engine for daemon trouble. Every call has a deadline; a lookup that
 fails is a miss, a reserve ``NO_SPACE``, an acquire a shorter prefix, each counted in
 ``failures``. A missed deadline opens a circuit breaker, so a frozen daemon costs one deadline,
-not one per call. Large acquires and commits go in chunks whose deadlines grow with their
-bytes; a chunk that fails costs that chunk only: the client cancels it (``Cancel`` with its
-call id gives back whatever the call took, even if it finishes later), and the session goes
-on. Only a failure it cannot repair (a release or abort the daemon never confirmed, or the
-session gone) gives the session up; ``SessionKeeper`` then opens a new one.
+not one per call. Large acquires and commits go in chunks (an acquire's deadline grows with
+its bytes); a chunk that fails costs that chunk only: the client cancels a late acquire
+(``Cancel`` with its call id gives back whatever the call took, even if it finishes later) or
+aborts a late commit's slots, and the session goes on. Only a failure it cannot repair (a
+release or abort the daemon never confirmed, or the session gone) gives the session up;
+``SessionKeeper`` then opens a new one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -153,7 +155,7 @@ class DaemonClient(ToolCalls):
 
     @property
     def chunk_blocks(self) -> int:
-        """Most blocks one Acquire asks for (``chunk_bytes`` worth)."""
+        """Most blocks one Acquire or Commit names (``chunk_bytes`` worth)."""
         return min(self._chunk_blocks, self._keeper.limits.max_hashes)
 
     @property
@@ -234,33 +236,40 @@ class DaemonClient(ToolCalls):
         """Makes the slots readable; True once the daemon confirmed every one of them.
 
         False means some were not stored (counted in ``failures``); the engine may go on.
+        Slots go in chunks of ``chunk_blocks``: a chunk that fails costs that chunk only.
         """
         if not slots:
             return True
         with self._lock:
             self._ledger.take_reserved(slots)
             session = self._keeper.session
-        if session is None or not self.breaker.allow():
-            if session is not None:
-                self._later.send("Abort", session, slots, tolerate_gone=True)
+        if session is None:
             self.failures += 1
             return False
-        step = self._keeper.limits.max_hashes
-        for start in range(0, len(slots), step):
-            chunk = slots[start : start + step]
-            request = pb.SlotsRequest(session_id=session, slots=chunk)
-            try:
-                self._stub.Commit(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                rest = slots[start:]
+        step = self.chunk_blocks
+        outcomes = [
+            self._commit_chunk(session, slots[i : i + step]) for i in range(0, len(slots), step)
+        ]
+        return all(outcomes)
 
-                def abort_rest(rest=rest) -> None:
-                    # Each chunk committed whole or not at all: abort them one by one.
-                    for i in range(0, len(rest), step):
-                        self._later.send("Abort", session, rest[i : i + step], tolerate_gone=True)
-
-                self._failed("Commit", exc, session, repair=abort_rest)
-                return False
+    def _commit_chunk(self, session: str, chunk: Sequence[int]) -> bool:
+        # Commit is bookkeeping (the disk writes happen behind it): its deadline does not
+        # grow with the chunk's bytes.
+        if self._keeper.session != session:
+            return False  # the session ended; the daemon aborted its reserved slots
+        if not self.breaker.allow():
+            self.failures += 1
+            self._later.send("Abort", session, chunk, tolerate_gone=True)
+            return False
+        request = pb.SlotsRequest(session_id=session, slots=chunk)
+        try:
+            self._stub.Commit(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            # A late chunk may have been committed after all: its Abort is then refused
+            # (tolerated) and the blocks stay readable, which is as good.
+            repair = partial(self._later.send, "Abort", session, chunk, tolerate_gone=True)
+            self._failed("Commit", exc, session, repair=repair)
+            return False
         return True
 
     def abort(self, slots: Sequence[int]) -> None:

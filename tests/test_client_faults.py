@@ -75,6 +75,71 @@ def test_a_late_acquire_chunk_fails_that_chunk_only(daemon):
     client.close()
 
 
+def _reserve_and_fill(client, hashes):
+    slots = client.reserve(hashes)
+    assert min(slots) >= 0
+    for h, slot in zip(hashes, slots, strict=True):
+        client.slab[slot].numpy()[:] = content(h)
+    return slots
+
+
+def test_a_late_commit_chunk_fails_that_chunk_only(daemon):
+    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+    hashes = [block_hash("commit-late", i) for i in range(12)]
+    slots = _reserve_and_fill(client, hashes)
+    commit = client._stub.Commit
+    calls = []
+
+    def second_is_late(request, **kwargs):
+        calls.append(list(request.slots))
+        if len(calls) == 2:
+            daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                return commit(request, **kwargs)
+            finally:
+                daemon.proc.send_signal(signal.SIGCONT)
+        return commit(request, **kwargs)
+
+    client._stub.Commit = second_is_late
+    assert not client.commit(slots)
+    client._stub.Commit = commit
+    assert calls == [slots[:4], slots[4:8]]  # the breaker opened: the third chunk missed at once
+    wait_until(lambda: not client.breaker.is_open, "the breaker to close")
+    assert client.settle(timeout=30)
+    assert daemon.stats().reserved_slots == 0  # the late chunk and the one after came back
+    assert load(client, hashes[:4]) == hashes[:4]
+    assert client.sessions_opened == 1
+    client.close()
+
+
+def test_a_refused_commit_chunk_costs_that_chunk_only(daemon):
+    """A chunk the daemon refuses (here: it names a slot the session never reserved) is
+    aborted; the chunks after it are still committed."""
+    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+    hashes = [block_hash("commit-refused", i) for i in range(12)]
+    slots = _reserve_and_fill(client, hashes)
+    stray = next(s for s in range(len(client.slab)) if s not in slots)
+    commit = client._stub.Commit
+    calls = []
+
+    def second_is_refused(request, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 2:
+            request = type(request)(session_id=request.session_id, slots=[*request.slots, stray])
+        return commit(request, **kwargs)
+
+    client._stub.Commit = second_is_refused
+    assert not client.commit(slots)
+    client._stub.Commit = commit
+    assert len(calls) == 3 and not client.breaker.is_open
+    assert client.settle(timeout=30)
+    assert daemon.stats().reserved_slots == 0
+    assert load(client, hashes) == hashes[:4]  # the refused chunk is a miss ...
+    assert load(client, hashes[8:]) == hashes[8:]  # ... and the one after it was stored
+    assert client.sessions_opened == 1
+    client.close()
+
+
 def test_a_new_session_closes_the_breaker(daemon):
     """A restarted daemon is used from the session that reattaches the client, not from the
     breaker's next probe (which, here, never succeeds)."""

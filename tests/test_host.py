@@ -178,3 +178,28 @@ def test_a_promotion_waits_for_a_slot_to_come_free(tmp_path):
         host.release(slots + pinned[1:])
     finally:
         disk.close()
+
+
+def test_write_behind_enters_the_lru_tail_first_and_an_acquire_keeps_its_prefix(tmp_path):
+    """The daemon's store path: committed slots join the LRU only as their disk writes finish,
+    in the writer's order, over several disk batches. A chain committed head first must still
+    be evicted tail first, and acquiring it back must not evict the head it is about to read."""
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 16)  # disk batches of 2 blocks
+    try:
+        host = HostTier(BLOCK, BLOCK * 8, lower=disk, write_behind=True)
+        chain = [h(i) for i in range(6)]
+        slots = host.reserve(chain)
+        for i, slot in enumerate(slots):
+            host.slot_array(slot)[:] = i
+        host.commit(slots)
+        disk.flush()
+        for i in range(100, 105):  # two fill the free slots, three evict
+            store(host, i)
+            disk.flush()
+        assert [host.contains(b) for b in chain] == [True] * 3 + [False] * 3  # tail went below
+        acquired, sources = host.acquire_with_sources(chain)
+        assert (sources.host, sources.disk) == (3, 3)
+        assert [int(host.slot_array(s)[0]) for s in acquired] == list(range(6))
+        host.release(acquired)
+    finally:
+        disk.close()
