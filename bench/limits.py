@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -92,3 +94,35 @@ def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple
         if os.path.exists(path):
             os.unlink(path)
     return num_bytes / write_s / GB, num_bytes / read_s / GB, how
+
+
+@contextmanager
+def disk_writing(directory: str, span: int = 256 << 20, chunk: int = 2 << 20) -> Iterator[None]:
+    """Sequential O_DIRECT writes to a scratch file in ``directory``, over and over on another
+    thread, while the block runs: the traffic of a disk tier draining at the device's speed,
+    for limits measured beside it."""
+    path = os.path.join(directory, "kvtier-busy-probe")
+    buf = _aligned(chunk)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:  # no O_DIRECT here (tmpfs): page-cache writes, flushed as they go
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            for offset in range(0, span, chunk):
+                os.pwrite(fd, buf, offset)
+            os.fdatasync(fd)
+
+    writer = threading.Thread(target=write, name="kvtier-busy-disk", daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
+        os.close(fd)
+        os.unlink(path)
+        buf.close()
