@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import json
 
+from kvtier.bench.limits import disk_writing
 from kvtier.service.cli import main
+
+from daemonutil import wait_until
 
 KEYS = {
     "memcpy_gbps",
@@ -25,3 +28,10 @@ def test_bench_tiers_json_has_exactly_its_keys(tmp_path, capsys):
     assert set(result) == KEYS
     assert all(value > 0 for value in result.values())
     assert list(tmp_path.iterdir()) == []  # its scratch directory is gone
+
+
+def test_disk_writing_keeps_the_disk_busy_and_leaves_nothing_behind(tmp_path):
+    probe = tmp_path / "kvtier-busy-probe"
+    with disk_writing(str(tmp_path), span=4 << 20):
+        wait_until(lambda: probe.exists() and probe.stat().st_size == 4 << 20, "the writes")
+    assert list(tmp_path.iterdir()) == []
