@@ -5,11 +5,16 @@ without a breaker every call waits out its full deadline: a scheduler pass that 
 twenty requests waits twenty deadlines. After a call misses its deadline, or finds the daemon
 unreachable, the breaker opens: every call is a miss at once, counted, until a background
 probe (the standard health check, with a short deadline) gets an answer and closes it.
+
+Every client of one daemon in a process shares one breaker (``shared_breaker``): vLLM's
+scheduler and its worker each hold a client, and a frozen daemon should cost the engine one
+deadline, not one per client.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -20,10 +25,10 @@ _MAX_PROBE_S = 1.0
 
 
 class CircuitBreaker:
-    """Closed (calls go out) or open (calls miss at once until ``probe`` succeeds)."""
+    """Closed (calls go out) or open (calls miss at once until a probe succeeds)."""
 
-    def __init__(self, probe: Callable[[], bool], name: str):
-        self._probe = probe
+    def __init__(self, probe: Callable[[], bool] | None, name: str):
+        self._probes = [probe] if probe is not None else []
         self._name = name
         self._lock = threading.Lock()
         self._open = False
@@ -36,6 +41,10 @@ class CircuitBreaker:
     @property
     def is_open(self) -> bool:
         return self._open
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     def allow(self) -> bool:
         """True if a call may go out now; counts the ones that may not."""
@@ -65,6 +74,23 @@ class CircuitBreaker:
     def stop(self) -> None:
         self._stopped.set()
 
+    def attach(self, probe: Callable[[], bool]) -> None:
+        """Adds a client's probe; the newest one probes (the others may be closing)."""
+        with self._lock:
+            self._probes.append(probe)
+
+    def detach(self, probe: Callable[[], bool]) -> bool:
+        """Removes a client's probe; True if none is left."""
+        with self._lock:
+            if probe in self._probes:
+                self._probes.remove(probe)
+            return not self._probes
+
+    def _probe(self) -> bool:
+        with self._lock:
+            probe = self._probes[-1] if self._probes else None
+        return probe is not None and probe()
+
     def _probe_until_closed(self) -> None:
         wait = _FIRST_PROBE_S
         while not self._stopped.wait(wait):
@@ -76,3 +102,37 @@ class CircuitBreaker:
                 log.info("kvtier daemon %s answers again", self._name)
                 return
             wait = min(wait * 2, _MAX_PROBE_S)
+
+
+_shared: dict[str, CircuitBreaker] = {}
+_shared_lock = threading.Lock()
+
+
+def _forget_shared() -> None:
+    """A forked child's clients are its own: it starts with no shared breaker."""
+    global _shared_lock
+    _shared.clear()
+    _shared_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_shared)
+
+
+def shared_breaker(target: str, probe: Callable[[], bool]) -> CircuitBreaker:
+    """The breaker of every client of ``target`` in this process, with ``probe`` attached;
+    give it back with ``leave_breaker``."""
+    with _shared_lock:
+        breaker = _shared.get(target)
+        if breaker is None or breaker.stopped:
+            breaker = _shared[target] = CircuitBreaker(None, target)
+        breaker.attach(probe)
+        return breaker
+
+
+def leave_breaker(target: str, breaker: CircuitBreaker, probe: Callable[[], bool]) -> None:
+    """Detaches a closing client's probe; the last client to leave stops the breaker."""
+    with _shared_lock:
+        if breaker.detach(probe):
+            breaker.stop()
+            if _shared.get(target) is breaker:
+                del _shared[target]

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.arena import ArenaView
-from kvtier.connector.circuit import CircuitBreaker
+from kvtier.connector.circuit import leave_breaker, shared_breaker
 from kvtier.connector.client_later import LaterCalls
 from kvtier.connector.client_session import SessionKeeper, SlotLedger
 from kvtier.connector.client_tools import ToolCalls
@@ -106,7 +106,7 @@ class DaemonClient(ToolCalls):
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
         self._call_ids = itertools.count(1)
-        self.breaker = CircuitBreaker(self._probe, self.target)
+        self.breaker = shared_breaker(self.target, self._probe)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
         local = (
             {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
@@ -174,7 +174,7 @@ class DaemonClient(ToolCalls):
 
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
-        self.breaker.stop()
+        leave_breaker(self.target, self.breaker, self._probe)
         self._keeper.close()
         self._channel.close()
         self._arena.unmap()

@@ -158,3 +158,23 @@ def test_a_new_session_closes_the_breaker(daemon):
     assert not client.breaker.is_open
     assert client.lookup(hashes).total == len(hashes)  # committed before the kill, on disk
     client.close()
+
+
+def test_the_clients_of_one_daemon_in_a_process_share_one_deadline(daemon):
+    """vLLM's scheduler and worker each hold a client: a frozen daemon costs the engine one
+    deadline, not one per client; a client that closes leaves the breaker to the others."""
+    first = daemon.client(timeout_s=TIMEOUT_S)
+    second = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("shared", i) for i in range(4)]
+    assert store(first, hashes) == hashes
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert first.lookup(hashes).total == 0  # waits out its deadline
+        assert second.lookup(hashes).total == 0  # misses at once
+        assert (first.breaker.trips, second.breaker.short_circuited) == (1, 1)
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    first.close()
+    wait_until(lambda: not second.breaker.is_open, "the breaker to close (second's probe)")
+    assert load(second, hashes) == hashes
+    second.close()
