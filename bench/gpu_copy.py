@@ -19,7 +19,7 @@ from kvtier.bench.limits import best_seconds
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
-from kvtier.tiers.pinned import allocate_host
+from kvtier.tiers.pinned import allocate_host, unregister_host
 
 VLLM_LIKE_LAYOUT = KVLayout(
     num_layers=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16
@@ -58,6 +58,16 @@ def pcie_ceiling(num_bytes: int, iters: int) -> PcieCeiling:
     """GB/s (1e9 bytes) of ``num_bytes`` pinned copies: to the GPU, from it, both at once."""
     host_in = allocate_host(num_bytes, pin=True)
     host_out = allocate_host(num_bytes, pin=True)
+    try:
+        return _pcie_ceiling(host_in, host_out, iters)
+    finally:
+        device = torch.device("cuda", torch.cuda.current_device())
+        for buf in (host_in, host_out):
+            unregister_host(buf.data_ptr(), device)
+
+
+def _pcie_ceiling(host_in: torch.Tensor, host_out: torch.Tensor, iters: int) -> PcieCeiling:
+    num_bytes = host_in.numel()
     dev_in = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     dev_out = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
     up, down = torch.cuda.Stream(), torch.cuda.Stream()

@@ -167,6 +167,19 @@ def test_a_transfer_owns_its_id_buffer_until_done():
     assert pool.take([9]).data_ptr() == ids.data_ptr()  # handed back only now, and reused
 
 
+def test_id_buffers_are_allocated_before_the_first_transfer(monkeypatch):
+    """A pinned allocation on the engine's step is a CUDA call that may synchronize: the
+    buffers a copier's transfers take in flight exist from the start."""
+    pool = PinnedIds(pin=False, ready=2, capacity=100)
+    allocations = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocations.append(a) or empty(*a, **k))
+    first, second = pool.take(list(range(100))), pool.take([5])
+    assert allocations == [] and first.data_ptr() != second.data_ptr()
+    pool.take([1])  # a third in flight at once: only now one more buffer
+    assert len(allocations) == 1
+
+
 def test_staging_ring_is_fixed_and_a_long_hit_is_chunked_within_it():
     """Defect: each transfer allocated n x block_bytes of staging (12 GiB for 100k tokens)."""
     placement = KVPlacement.allocate(LLAMA_8B, 1, order="LBHNC")

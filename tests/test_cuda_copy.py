@@ -201,6 +201,12 @@ def test_a_slab_that_cannot_be_locked_is_reported_and_clears_its_error(tmp_path,
     assert any("pageable" in r.message for r in caplog.records)
     torch.ones(16, device="cuda").mul_(2)  # the failed call left no error for this launch
     torch.cuda.synchronize()
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.pinned"):
+        for _ in range(3):  # loads read the slab, so a read-only mapping serves them
+            engine.load([0, 1], [2, 3]).wait()
+    assert not caplog.records  # the mapping that could not be locked is not tried per copy
+    engine.close()
 
 
 def test_round_trip_through_the_daemon_arena_with_vllm_shaped_tensors():

@@ -66,7 +66,8 @@ class CopyEngine:
         self.on_cuda = self.device.type == "cuda"
         self.host_pinned = False
         """Whether the slab is page-locked (on CUDA; a pageable slab makes copies synchronous)."""
-        self._locked: int | None = None  # address of the slab mapping this engine locked
+        self._mapping: int | None = None  # address of the slab mapping last prepared
+        self._locked = False  # whether this engine locked that mapping (and must unlock it)
         self._stores = CompletionQueue()
         self._loads = CompletionQueue()
         self._cuda = None
@@ -101,21 +102,23 @@ class CopyEngine:
         if not self.on_cuda:
             return False
         ptr = self.slab.data_ptr()
-        if self.slab.numel() == 0 or ptr == self._locked:
-            return self.host_pinned
+        if self.slab.numel() == 0 or ptr == self._mapping:
+            return self.host_pinned  # a mapping that could not be locked is not tried again
         self.release_host()
+        self._mapping = ptr
         if is_registered(self.slab):
             self.host_pinned = True  # locked by its owner, who also unlocks it
             return True
-        self.host_pinned = register_host(self.slab, self.device, self.layout.block_bytes)
-        self._locked = ptr if self.host_pinned else None
+        self._locked = register_host(self.slab, self.device, self.layout.block_bytes)
+        self.host_pinned = self._locked
         return self.host_pinned
 
     def release_host(self) -> None:
         """Unlocks the mapping this engine locked (after its copies have landed)."""
-        if self._locked is not None:
-            unregister_host(self._locked, self.device)
-        self._locked = None
+        if self._locked and self._mapping is not None:
+            unregister_host(self._mapping, self.device)
+        self._mapping = None
+        self._locked = False
         self.host_pinned = False
 
     def store(

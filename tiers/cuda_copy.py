@@ -26,6 +26,8 @@ from kvtier.tiers.kv_placement import KVPlacement
 logger = logging.getLogger(__name__)
 
 STORE, LOAD = "store", "load"
+_READY_ID_BUFFERS = 4
+"""Id buffers allocated with the copier: one per transfer in flight through the ring."""
 
 
 class StagingRing:
@@ -58,11 +60,15 @@ class StagingRing:
 
 
 class PinnedIds:
-    """Reusable pinned int64 host buffers that carry block ids to the device."""
+    """Reusable pinned int64 host buffers that carry block ids to the device.
 
-    def __init__(self, pin: bool = True):
+    ``ready`` buffers of ``capacity`` ids are allocated up front: a page-locked allocation is
+    a CUDA call that may synchronize, not something for the engine's step.
+    """
+
+    def __init__(self, pin: bool = True, ready: int = 0, capacity: int = 256):
         self._pin = pin
-        self._free: list[torch.Tensor] = []
+        self._free = [torch.empty(capacity, dtype=torch.long, pin_memory=pin) for _ in range(ready)]
 
     def take(self, values: Sequence[int]) -> torch.Tensor:
         """A buffer holding ``values`` (first ``len(values)`` entries); give it back when done."""
@@ -91,6 +97,8 @@ class CudaCopier:
         self._kernels: dict[str, torch.cuda.Stream] = {}
         self._rings: dict[str, StagingRing] = {}
         if not placement.block_contiguous:
+            # ids travel only through the ring; a transfer names at most every block once
+            self.ids = PinnedIds(ready=_READY_ID_BUFFERS, capacity=placement.num_blocks)
             self._kernels = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}
             self._rings = {d: StagingRing(placement, staging_bytes // 2) for d in (STORE, LOAD)}
 

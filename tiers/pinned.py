@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 MAX_REGISTER_BYTES = 64 << 30
 """The CUDA driver's limit on one cudaHostRegister call."""
 PAGE_BYTES = mmap.PAGESIZE
+_PORTABLE = 1
+"""cudaHostRegisterPortable: pinned for every CUDA context, not only the registering one (a
+slab shared by engines on several devices of one process)."""
 
 _lock = threading.Lock()
 _registered: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
@@ -101,8 +104,10 @@ def register_host(
     started = time.perf_counter()
     chunks: list[int] = []
     with torch.cuda.device(device):
+        # Should ``runtime`` be a second copy of the library, torch's device does not reach it.
+        runtime.cudaSetDevice(torch.cuda.current_device())
         for offset, length in registration_ranges(nbytes, registration_chunk(row_bytes, limit)):
-            err = runtime.cudaHostRegister(ctypes.c_void_p(ptr + offset), length, 0)
+            err = runtime.cudaHostRegister(ctypes.c_void_p(ptr + offset), length, _PORTABLE)
             if err == 0:
                 chunks.append(ptr + offset)
                 continue
@@ -138,6 +143,7 @@ def unregister_host(ptr: int, device: torch.device) -> None:
     if entry is None or runtime is None:
         return
     with torch.cuda.device(device):
+        runtime.cudaSetDevice(torch.cuda.current_device())
         for address in entry[1]:
             if runtime.cudaHostUnregister(ctypes.c_void_p(address)) != 0:
                 runtime.cudaGetLastError()
@@ -157,6 +163,7 @@ def _cudart() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(path)
             lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
             lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
+            lib.cudaSetDevice.argtypes = (ctypes.c_int,)
             lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
             lib.cudaGetErrorString.restype = ctypes.c_char_p
             return lib
