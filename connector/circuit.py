@@ -29,6 +29,7 @@ class CircuitBreaker:
 
     def __init__(self, probe: Callable[[], bool] | None, name: str):
         self._probes = [probe] if probe is not None else []
+        self._tripped: list[Callable[[], None]] = []
         self._name = name
         self._lock = threading.Lock()
         self._open = False
@@ -62,6 +63,10 @@ class CircuitBreaker:
             self.trips += 1
         log.warning("kvtier daemon %s: %s; calls miss until it answers again", self._name, reason)
         threading.Thread(target=self._probe_until_closed, name="kvtier-probe", daemon=True).start()
+        with self._lock:
+            listeners = list(self._tripped)
+        for tripped in listeners:
+            tripped()
 
     def close(self) -> None:
         """Closes the breaker: the daemon has just answered (a session opened), so calls
@@ -74,16 +79,19 @@ class CircuitBreaker:
     def stop(self) -> None:
         self._stopped.set()
 
-    def attach(self, probe: Callable[[], bool]) -> None:
-        """Adds a client's probe; the newest one probes (the others may be closing)."""
+    def attach(self, probe: Callable[[], bool], tripped: Callable[[], None]) -> None:
+        """Adds a client: its probe (the newest one probes; the others may be closing) and
+        what it does when the breaker opens (ends the calls it is still waiting on)."""
         with self._lock:
             self._probes.append(probe)
+            self._tripped.append(tripped)
 
-    def detach(self, probe: Callable[[], bool]) -> bool:
-        """Removes a client's probe; True if none is left."""
+    def detach(self, probe: Callable[[], bool], tripped: Callable[[], None]) -> bool:
+        """Removes a client; True if none is left."""
         with self._lock:
-            if probe in self._probes:
-                self._probes.remove(probe)
+            for listed, item in ((self._probes, probe), (self._tripped, tripped)):
+                if item in listed:
+                    listed.remove(item)
             return not self._probes
 
     def _probe(self) -> bool:
@@ -118,21 +126,25 @@ def _forget_shared() -> None:
 os.register_at_fork(after_in_child=_forget_shared)
 
 
-def shared_breaker(target: str, probe: Callable[[], bool]) -> CircuitBreaker:
-    """The breaker of every client of ``target`` in this process, with ``probe`` attached;
-    give it back with ``leave_breaker``."""
+def shared_breaker(
+    target: str, probe: Callable[[], bool], tripped: Callable[[], None]
+) -> CircuitBreaker:
+    """The breaker of every client of ``target`` in this process, with a client attached
+    (see ``CircuitBreaker.attach``); give it back with ``leave_breaker``."""
     with _shared_lock:
         breaker = _shared.get(target)
         if breaker is None or breaker.stopped:
             breaker = _shared[target] = CircuitBreaker(None, target)
-        breaker.attach(probe)
+        breaker.attach(probe, tripped)
         return breaker
 
 
-def leave_breaker(target: str, breaker: CircuitBreaker, probe: Callable[[], bool]) -> None:
-    """Detaches a closing client's probe; the last client to leave stops the breaker."""
+def leave_breaker(
+    target: str, breaker: CircuitBreaker, probe: Callable[[], bool], tripped: Callable[[], None]
+) -> None:
+    """Detaches a closing client; the last client to leave stops the breaker."""
     with _shared_lock:
-        if breaker.detach(probe):
+        if breaker.detach(probe, tripped):
             breaker.stop()
             if _shared.get(target) is breaker:
                 del _shared[target]

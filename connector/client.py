@@ -106,7 +106,8 @@ class DaemonClient(ToolCalls):
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
         self._call_ids = itertools.count(1)
-        self.breaker = shared_breaker(self.target, self._probe)
+        self._lookups: set[grpc.Future] = set()  # Lookup calls not answered yet
+        self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
         local = (
             {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
@@ -174,7 +175,7 @@ class DaemonClient(ToolCalls):
 
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
-        leave_breaker(self.target, self.breaker, self._probe)
+        leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
         self._keeper.close()
         self._channel.close()
         self._arena.unmap()
@@ -340,8 +341,12 @@ class DaemonClient(ToolCalls):
         chunk = hashes[start : start + self._keeper.limits.max_hashes]
         request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
         call = self._stub.Lookup.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        with self._lock:
+            self._lookups.add(call)
 
         def answered(call: grpc.Future) -> None:
+            with self._lock:
+                self._lookups.discard(call)
             try:
                 reply = call.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as exc:
@@ -359,6 +364,14 @@ class DaemonClient(ToolCalls):
                 self._lookup_from(session, hashes, end, hits, result)
 
         call.add_done_callback(answered)
+
+    def _end_lookups(self) -> None:
+        """The breaker opened: lookups still waiting are misses now, not at their deadline
+        (the requests behind them would wait it out)."""
+        with self._lock:
+            calls = list(self._lookups)
+        for call in calls:
+            call.cancel()
 
     def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None:
         """Hands slots back: to the daemon if they belong to the live session, else only

@@ -41,7 +41,7 @@ from kvtier.connector.vllm_lookup import Lookups
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec
 from kvtier.connector.vllm_request import RequestState
 from kvtier.connector.vllm_scheduler_hits import HitPlanning
-from kvtier.connector.vllm_stats import KVTierStats
+from kvtier.connector.vllm_stats import DaemonTrouble, KVTierStats, breaker_trips
 from kvtier.tiers.hashing import BlockHash
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,8 @@ class SchedulerSide(HitPlanning):
         self._stores: list[StoreSpec] = []
         self._hold_new: set[str] = set()
         self._held: set[str] = set()
-        self._failures_seen = 0
+        self._trouble = DaemonTrouble(trips=False)
+        self._trips_seen = 0
         self._hash_tokens = hash_block_size or groups[0].block_size
         """Tokens vLLM hashes at a time (``request.block_hashes``)."""
         self._tags = self._namespace_tags()
@@ -284,7 +285,9 @@ class SchedulerSide(HitPlanning):
         return bool(self._held)
 
     def update_connector_output(self, output) -> None:
-        """Rewinds what failed loads counted as stored; forgets loads that landed."""
+        """Rewinds what failed loads counted as stored; forgets loads that landed; stops
+        asking a daemon a worker found not answering."""
+        self._follow_worker_trips(output.kv_connector_stats)
         invalid = output.invalid_block_ids
         if invalid:
             for state in self._loading.values():
@@ -306,6 +309,16 @@ class SchedulerSide(HitPlanning):
             state.load = None
         for req_id in output.finished_sending or ():
             self._held.discard(req_id)
+
+    def _follow_worker_trips(self, reported: KVTierStats | None) -> None:
+        """A worker in a process of its own waited out a deadline: lookups sent now would
+        each wait one too, and the requests behind them. (A worker in this process shares
+        the breaker, which then opened already: its trip is not followed twice.)"""
+        reported_trips = reported.data.get("daemon_trips", 0) if reported is not None else 0
+        if reported_trips and breaker_trips(self.clients.values()) == self._trips_seen:
+            for client in self.clients.values():
+                client.breaker.trip("a worker found the daemon not answering")
+        self._trips_seen = breaker_trips(self.clients.values())
 
     def reset_cache(self) -> bool:
         """Fences off every block stored so far: this engine never loads them again.
@@ -362,7 +375,5 @@ class SchedulerSide(HitPlanning):
         }
 
     def take_stats(self) -> KVTierStats | None:
-        failures = sum(client.failures for client in self.clients.values())
-        self.stats.add("daemon_failures", failures - self._failures_seen)
-        self._failures_seen = failures
+        self._trouble.count(self.clients.values(), self.stats)
         return self.stats.take()

@@ -8,7 +8,8 @@ each step (``aggregate``), logs ``reduce()`` periodically and feeds the same dic
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -16,12 +17,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+if TYPE_CHECKING:
+    from kvtier.connector.client import DaemonClient
+
 COUNTERS: dict[str, str] = {
     "lookup_tokens": "Prompt tokens whose blocks kvtier was asked about (once per admission)",
     "host_hit_tokens": "Tokens loaded from kvtier's host tier",
     "disk_hit_tokens": "Tokens loaded from kvtier's disk tier",
     "remote_hit_tokens": "Tokens loaded from kvtier's remote tier (shared by many nodes)",
     "daemon_failures": "kvtier daemon calls that failed (each counted as a miss)",
+    "daemon_trips": "Times a worker found the daemon not answering (calls miss until it answers)",
     "loaded_blocks": "Blocks copied from kvtier into vLLM's KV cache",
     "load_failed_blocks": "Blocks whose load failed and were recomputed",
     "stored_blocks": "Blocks copied from vLLM's KV cache into kvtier",
@@ -92,3 +97,33 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             per_engine = self._counters.get(key)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
+
+
+class DaemonTrouble:
+    """Counts one side's daemon failures, and with ``trips`` its breaker trips, into its
+    ``KVTierStats``. Only workers count trips: a scheduler in a worker's process shares its
+    breaker, and one in a process of its own trips when a worker reports one."""
+
+    def __init__(self, trips: bool) -> None:
+        self._count_trips = trips
+        self._failures = 0
+        self._trips = 0
+
+    def count(self, clients: Iterable[DaemonClient], stats: KVTierStats) -> int:
+        """Adds what happened since the last count; returns the new trips."""
+        clients = list(clients)
+        failures = sum(client.failures for client in clients)
+        trips = breaker_trips(clients)
+        new_trips = trips - self._trips
+        stats.add("daemon_failures", failures - self._failures)
+        if self._count_trips:
+            stats.add("daemon_trips", new_trips)
+        self._failures, self._trips = failures, trips
+        return new_trips
+
+
+def breaker_trips(clients: Iterable[DaemonClient]) -> int:
+    """How often the clients' breakers opened (clients of one daemon in a process share one:
+    it counts once)."""
+    breakers = {id(client.breaker): client.breaker for client in clients}
+    return sum(breaker.trips for breaker in breakers.values())

@@ -47,7 +47,7 @@ from kvtier.connector.vllm_groups import KVGroup
 from kvtier.connector.vllm_layout import kv_placement
 from kvtier.connector.vllm_loads import StreamedLoad
 from kvtier.connector.vllm_metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
-from kvtier.connector.vllm_stats import KVTierStats
+from kvtier.connector.vllm_stats import DaemonTrouble, KVTierStats
 from kvtier.connector.vllm_stores import PendingStore, StoreQueue
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.host import ALREADY_STORED
@@ -100,6 +100,7 @@ class WorkerSide:
         self._track_reads = any(group.windowed for group in groups)
         self._reading: Counter[int] = Counter()
         self._commits: deque[tuple[int, int, bool]] = deque()  # (blocks, bytes, ok)
+        self._trouble = DaemonTrouble(trips=True)
 
     def _client(self, group: KVGroup) -> DaemonClient:
         return self.clients[group.layout.signature]
@@ -245,6 +246,7 @@ class WorkerSide:
                 self.stats.add("stored_bytes", nbytes)
             else:
                 self.stats.add("store_failed_blocks", blocks)
+        self._trouble.count(self.clients.values(), self.stats)
         return self.stats.take()
 
     # ---- loads ----

@@ -178,3 +178,24 @@ def test_the_clients_of_one_daemon_in_a_process_share_one_deadline(daemon):
     wait_until(lambda: not second.breaker.is_open, "the breaker to close (second's probe)")
     assert load(second, hashes) == hashes
     second.close()
+
+
+def test_a_trip_ends_the_lookups_still_waiting(daemon):
+    """A lookup sent to a frozen daemon is a miss as soon as any call of the process finds
+    the daemon not answering, not at its own deadline: vLLM's scheduler keeps a request
+    waiting until its lookup is answered."""
+    patient = daemon.client(timeout_s=600)
+    other = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("waiting", i) for i in range(4)]
+    assert store(patient, hashes) == hashes
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        waiting = patient.lookup_async(hashes)
+        assert other.lookup(hashes).total == 0  # waits out its deadline: the breaker opens
+        assert waiting.result(timeout=60).total == 0
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: not patient.breaker.is_open, "the breaker to close")
+    assert patient.lookup(hashes).total == len(hashes)
+    patient.close()
+    other.close()

@@ -49,9 +49,10 @@ import kvtier.connector.vllm as connector_module
 from kvtier.connector.client import DaemonClient
 from kvtier.connector.vllm_metadata import KVTierMetadata, pack, unpack
 from kvtier.connector.vllm_request import RequestHashes
+from kvtier.connector.vllm_stats import KVTierStats
 from kvtier.tiers.hashing import Namespace
 
-from daemonutil import Daemon
+from daemonutil import Daemon, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -655,3 +656,29 @@ def test_preemption_heavy_run_asks_once_per_admission(make_engine) -> None:
         f"{lookup_tokens} lookup tokens for {sum(len(p) for p in prompts)} prompt tokens"
     )
     assert_scheduler_empty(engine.scheduler)
+
+
+# ---------------------------------------------------------------- item 8: a frozen daemon
+
+
+def test_the_scheduler_stops_asking_a_daemon_a_worker_found_not_answering(make_engine) -> None:
+    """A worker in a process of its own that waits out a deadline says so in its stats
+    (``daemon_trips``); the scheduler then opens its breaker too, so that the lookups it would
+    send next do not each wait out a deadline of their own. A worker in the scheduler's own
+    process shares the breaker: its trip is counted once and not followed twice."""
+    engine = make_engine()
+    side = engine.connector.scheduler
+    breaker = next(iter(side.clients.values())).breaker
+    report = KVConnectorOutput(kv_connector_stats=KVTierStats(data={"daemon_trips": 1}))
+    side.update_connector_output(report)  # from a worker whose breaker is not this one
+    assert breaker.trips == 1
+    wait_until(lambda: not breaker.is_open, "the probe to find the daemon answering")
+
+    worker = engine.worker.worker
+    worker.take_stats()  # what the worker counted so far
+    breaker.trip("a call of the worker in this process went unanswered")
+    reported = worker.take_stats()
+    assert reported.data["daemon_trips"] == 1
+    side.update_connector_output(KVConnectorOutput(kv_connector_stats=reported))
+    assert breaker.trips == 2
+    assert "daemon_trips" not in (side.take_stats() or KVTierStats()).data  # counted once
