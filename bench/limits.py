@@ -98,23 +98,23 @@ def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple
 
 @contextmanager
 def disk_writing(directory: str, span: int = 256 << 20, chunk: int = 2 << 20) -> Iterator[None]:
-    """Sequential O_DIRECT writes to a scratch file in ``directory``, over and over on another
-    thread, while the block runs: the traffic of a disk tier draining at the device's speed,
-    for limits measured beside it."""
+    """Sequential O_DIRECT writes to a scratch file in ``directory``, round and round on
+    another thread, while the block runs: the traffic of a disk tier draining at the device's
+    speed, for limits measured beside it."""
     path = os.path.join(directory, "kvtier-busy-probe")
     buf = _aligned(chunk)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
     try:
         fd = os.open(path, flags, 0o600)
-    except OSError:  # no O_DIRECT here (tmpfs): page-cache writes, flushed as they go
+    except OSError:  # no O_DIRECT here (tmpfs): page-cache writes
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     stop = threading.Event()
 
     def write() -> None:
+        offset = 0
         while not stop.is_set():
-            for offset in range(0, span, chunk):
-                os.pwrite(fd, buf, offset)
-            os.fdatasync(fd)
+            os.pwrite(fd, buf, offset)
+            offset = (offset + chunk) % span
 
     writer = threading.Thread(target=write, name="kvtier-busy-disk", daemon=True)
     writer.start()
