@@ -13,12 +13,12 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   ratio to memcpy), pipelined as the connector's worker stores (the next Reserve and the last
   Commit on helper threads while a batch is copied): commits return once the blocks are
   readable in the host tier and the disk writes happen behind them, so the host tier should
-  absorb a burst at memcpy speed. It then
-  times the disk draining that burst (``disk_drain_gbps``) beside ``disk_raw_write_gbps``,
-  sequential O_DIRECT writes to the same file system measured in the same run. Beside the
-  burst's ratio to memcpy, ``memcpy_disk_busy_gbps`` is the same memcpy while a thread keeps
-  the disk writing (``disk_writing``): on a small machine the disk's traffic slows every copy,
-  and this is the ceiling for a store made while the disk drains;
+  absorb a burst at memcpy speed. It then times the disk draining that burst
+  (``disk_drain_gbps``) beside ``disk_raw_write_gbps``, sequential O_DIRECT writes to the
+  same file system measured in the same run. Beside the burst's ratio to memcpy,
+  ``memcpy_disk_busy_gbps`` is the same memcpy while a thread keeps the disk writing
+  (``disk_writing``): on a small machine the disk's traffic slows every copy, and this is
+  the ceiling for a store made while the disk drains;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
   with full-size lookups (heavy calls run on worker threads, so they must not stall it).
 """

@@ -27,8 +27,8 @@ _MAX_PROBE_S = 1.0
 class CircuitBreaker:
     """Closed (calls go out) or open (calls miss at once until a probe succeeds)."""
 
-    def __init__(self, probe: Callable[[], bool] | None, name: str):
-        self._probes = [probe] if probe is not None else []
+    def __init__(self, name: str):
+        self._probes: list[Callable[[], bool]] = []
         self._tripped: list[Callable[[], None]] = []
         self._name = name
         self._lock = threading.Lock()
@@ -134,7 +134,7 @@ def shared_breaker(
     with _shared_lock:
         breaker = _shared.get(target)
         if breaker is None or breaker.stopped:
-            breaker = _shared[target] = CircuitBreaker(None, target)
+            breaker = _shared[target] = CircuitBreaker(target)
         breaker.attach(probe, tripped)
         return breaker
 

@@ -315,10 +315,12 @@ class SchedulerSide(HitPlanning):
         each wait one too, and the requests behind them. (A worker in this process shares
         the breaker, which then opened already: its trip is not followed twice.)"""
         reported_trips = reported.data.get("daemon_trips", 0) if reported is not None else 0
-        if reported_trips and breaker_trips(self.clients.values()) == self._trips_seen:
+        trips = breaker_trips(self.clients.values())
+        if reported_trips and trips == self._trips_seen:
             for client in self.clients.values():
                 client.breaker.trip("a worker found the daemon not answering")
-        self._trips_seen = breaker_trips(self.clients.values())
+            trips = breaker_trips(self.clients.values())
+        self._trips_seen = trips
 
     def reset_cache(self) -> bool:
         """Fences off every block stored so far: this engine never loads them again.

@@ -109,17 +109,15 @@ class DaemonTrouble:
         self._failures = 0
         self._trips = 0
 
-    def count(self, clients: Iterable[DaemonClient], stats: KVTierStats) -> int:
-        """Adds what happened since the last count; returns the new trips."""
+    def count(self, clients: Iterable[DaemonClient], stats: KVTierStats) -> None:
+        """Adds what happened since the last count."""
         clients = list(clients)
         failures = sum(client.failures for client in clients)
         trips = breaker_trips(clients)
-        new_trips = trips - self._trips
         stats.add("daemon_failures", failures - self._failures)
         if self._count_trips:
-            stats.add("daemon_trips", new_trips)
+            stats.add("daemon_trips", trips - self._trips)
         self._failures, self._trips = failures, trips
-        return new_trips
 
 
 def breaker_trips(clients: Iterable[DaemonClient]) -> int:

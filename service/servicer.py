@@ -41,7 +41,6 @@ GET_CHUNK = 8
 WATCH_BATCH = 1024
 INLINE_BATCH = 256
 """Batches up to this many hashes or slots are served on the event loop; larger go to a thread."""
-
 WORKERS = 8
 
 _CODES = {

@@ -92,13 +92,13 @@ class CudaCopier:
     def __init__(self, placement: KVPlacement, staging_bytes: int):
         self.placement = placement
         self.device = placement.device
-        self.ids = PinnedIds()
+        # ids travel only through the ring; a transfer names at most every block once
+        ready = 0 if placement.block_contiguous else _READY_ID_BUFFERS
+        self.ids = PinnedIds(ready=ready, capacity=placement.num_blocks)
         self._dma = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}
         self._kernels: dict[str, torch.cuda.Stream] = {}
         self._rings: dict[str, StagingRing] = {}
         if not placement.block_contiguous:
-            # ids travel only through the ring; a transfer names at most every block once
-            self.ids = PinnedIds(ready=_READY_ID_BUFFERS, capacity=placement.num_blocks)
             self._kernels = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}
             self._rings = {d: StagingRing(placement, staging_bytes // 2) for d in (STORE, LOAD)}
 
