@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvtier.connector.arena import ArenaView
 from kvtier.connector.vllm_layout import kv_placement
-from kvtier.service.arena import Arena, ArenaError
+from kvtier.service.arena import Arena
 from kvtier.tiers.copy_engine import DEFAULT_STAGING_BYTES, CopyEngine
 from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
@@ -82,14 +80,11 @@ class Matmuls:
 def daemon_arena(num_slots: int, block_bytes: int) -> Iterator[torch.Tensor]:
     """The daemon's arena file, mapped as the client maps it (on a helper thread).
 
-    In ``/dev/shm`` as the daemon makes it; where that is too small (a container's 64 MiB
-    default) in the temporary directory, which maps and page-locks the same way.
+    In ``/dev/shm`` as the daemon makes it, never in a disk directory: recent Linux kernels
+    refuse to page-lock a writable shared mapping of a disk file, so it would measure
+    synchronous copies. Where ``/dev/shm`` is too small, ``ArenaError`` says how to fix it.
     """
-    name = f"kvtier-bench-{os.getpid()}"
-    try:
-        arena = Arena(name, num_slots * block_bytes)
-    except ArenaError:
-        arena = Arena(name, num_slots * block_bytes, Path(tempfile.gettempdir()))
+    arena = Arena(f"kvtier-bench-{os.getpid()}", num_slots * block_bytes)
     view = ArenaView(block_bytes)
     mapper = threading.Thread(
         target=view.map, args=(str(arena.path), arena.size, num_slots), name="kvtier-client"

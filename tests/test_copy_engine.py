@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.copy_plan import Run, check_pairs, chunk_ranges, plan_runs
 from kvtier.tiers.cuda_copy import PinnedIds, StagingRing
+from kvtier.tiers.cuda_runtime import MEMCPY_DEFAULT, copy_runs
 from kvtier.tiers.host_copy import copy_rows
 from kvtier.tiers.kv_placement import KVPlacement
 from kvtier.tiers.layout import KVLayout
@@ -194,3 +198,34 @@ def test_staging_ring_is_fixed_and_a_long_hit_is_chunked_within_it():
     assert slots[:4] == [0, 1, 0, 1]
     # a block larger than a slot still gets a slot of exactly one block
     assert StagingRing(placement, 1 << 20).slot_blocks == 1
+
+
+class MemmoveRuntime:
+    """The runtime's cudaMemcpyAsync signature over host memory: moves bytes at once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        assert kind == MEMCPY_DEFAULT and stream == 7
+        ctypes.memmove(dst, src, count)
+        self.calls += 1
+        return 0
+
+
+def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
+    lib, stream = MemmoveRuntime(), SimpleNamespace(cuda_stream=7)
+    device = torch.arange(64, dtype=torch.uint8)
+    host = torch.zeros(32, dtype=torch.uint8)
+    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    copy_runs(lib, stream, host, device, runs, to_host=True)
+    assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
+    assert not host[8:16].any()
+    back = torch.zeros(64, dtype=torch.uint8)
+    copy_runs(lib, stream, host, back, runs, to_host=False)
+    assert torch.equal(back[8:16], device[8:16]) and torch.equal(back[40:56], device[40:56])
+    assert lib.calls == 4
+    for bad in (Run(device=0, host=24, nbytes=16), Run(device=56, host=0, nbytes=16)):
+        with pytest.raises(IndexError):
+            copy_runs(lib, stream, host, device, [bad], to_host=True)
+    assert lib.calls == 4

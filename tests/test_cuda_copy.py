@@ -14,12 +14,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.connector.client import DaemonClient
 from kvtier.connector.vllm_layout import kv_placement
+from kvtier.tiers import cuda_copy
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.host import HostTier
 from kvtier.tiers.kv_placement import KVPlacement
@@ -67,10 +70,14 @@ def churn() -> None:
         torch.full((size,), -1, dtype=torch.long, device="cuda")
 
 
+@pytest.mark.parametrize("via", ["runtime", "torch"])
 @pytest.mark.parametrize("order", ORDERS)
-def test_round_trip_exact_with_busy_compute_and_reused_memory(order):
+def test_round_trip_exact_with_busy_compute_and_reused_memory(order, via, monkeypatch):
     """Stores read, and loads write, exactly the blocks named, though the compute stream is
-    busy and every tensor freed on the way is reused at once (defects 1 and 3)."""
+    busy and every tensor freed on the way is reused at once (defects 1 and 3); through the
+    runtime library's cudaMemcpyAsync, and through torch where that library is not found."""
+    if via == "torch":
+        monkeypatch.setattr(cuda_copy, "runtime", lambda: None)
     src = filled(order)
     host = HostTier(LAYOUT.block_bytes, 64 * LAYOUT.block_bytes)
     engine = CopyEngine(src, host.slab, staging_bytes=4 * LAYOUT.block_bytes)
@@ -160,8 +167,12 @@ def test_gpu_memory_stays_within_the_ring(order):
     assert torch.cuda.max_memory_allocated() - before == 0
 
 
-def test_slab_is_page_locked_on_the_engine_thread_under_its_device(tmp_path):
-    """Defect 4: the client's background thread registered the arena (a context on GPU 0)."""
+def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
+    """Defect 4: the client's background thread registered the arena (a context on GPU 0).
+
+    The arena lies on tmpfs as the daemon's does: Linux refuses to lock a writable shared
+    mapping of a disk file (seen on an H200 machine's 6.18 kernel, "invalid argument")."""
+    path = Path("/dev/shm") / f"kvtier-test-{uuid.uuid4().hex[:12]}"
     script = textwrap.dedent(
         f"""
         import threading, torch
@@ -170,7 +181,7 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device(tmp_path):
         from kvtier.tiers.kv_placement import KVPlacement
         from kvtier.tiers.layout import KVLayout
         layout = KVLayout(2, 2, 64, 16, torch.float16)
-        path = {str(tmp_path / "arena")!r}
+        path = {str(path)!r}
         open(path, "wb").write(bytes(8 * layout.block_bytes))
         arena = ArenaView(layout.block_bytes)
         t = threading.Thread(target=arena.map, args=(path, 8 * layout.block_bytes, 8))
@@ -184,7 +195,10 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device(tmp_path):
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    finally:
+        path.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 

@@ -17,15 +17,15 @@ stall the engine.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import mmap
-import os
 import threading
 import time
 
 import torch
+
+from kvtier.tiers.cuda_runtime import runtime as cuda_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def register_host(
     with _lock:
         if ptr in _registered:
             return True
-    runtime = _cudart()
+    runtime = cuda_runtime()
     if runtime is None:
         logger.error(
             "kvtier: the CUDA runtime library is not found in this process; %.2f GiB of host "
@@ -116,7 +116,9 @@ def register_host(
                 runtime.cudaHostUnregister(ctypes.c_void_p(address))
             logger.error(
                 "kvtier: cudaHostRegister of %.2f GiB at offset %d failed on %s (%s); the host "
-                "memory stays pageable and every GPU copy through it is synchronous",
+                "memory stays pageable and every GPU copy through it is synchronous (a writable "
+                "shared mapping of a file on a disk filesystem cannot be page-locked on recent "
+                "Linux kernels: keep shared buffers on tmpfs, such as /dev/shm)",
                 length / 2**30,
                 offset,
                 device,
@@ -139,7 +141,7 @@ def unregister_host(ptr: int, device: torch.device) -> None:
     """Undoes ``register_host`` of the buffer at ``ptr``; its memory may then be unmapped."""
     with _lock:
         entry = _registered.pop(ptr, None)
-    runtime = _cudart()
+    runtime = cuda_runtime()
     if entry is None or runtime is None:
         return
     with torch.cuda.device(device):
@@ -148,23 +150,3 @@ def unregister_host(ptr: int, device: torch.device) -> None:
             if runtime.cudaHostUnregister(ctypes.c_void_p(address)) != 0:
                 runtime.cudaGetLastError()
                 logger.warning("kvtier: cudaHostUnregister at %#x failed", address)
-
-
-@functools.cache
-def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime torch loaded, through ctypes (torch's binding cannot clear errors)."""
-    torch.cuda.init()
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcudart" in line and "/" in line}
-    # torch's own runtime first, should another library have brought a second one
-    major = f"libcudart.so.{(torch.version.cuda or '').split('.')[0]}"
-    for path in sorted(paths, key=lambda p: not os.path.basename(p).startswith(major)):
-        if os.path.basename(path).startswith("libcudart"):
-            lib = ctypes.CDLL(path)
-            lib.cudaHostRegister.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)
-            lib.cudaHostUnregister.argtypes = (ctypes.c_void_p,)
-            lib.cudaSetDevice.argtypes = (ctypes.c_int,)
-            lib.cudaGetErrorString.argtypes = (ctypes.c_int,)
-            lib.cudaGetErrorString.restype = ctypes.c_char_p
-            return lib
-    return None
