@@ -189,7 +189,7 @@ def test_staging_ring_is_fixed_and_a_long_hit_is_chunked_within_it():
     placement = KVPlacement.allocate(LLAMA_8B, 1, order="LBHNC")
     ring = StagingRing(placement, 64 << 20)
     assert ring.slot_blocks == 16  # 32 MiB per slot of 2 MiB blocks
-    assert ring.nbytes == 2 * 16 * LLAMA_8B.block_bytes + 2 * 16 * 8
+    assert ring.nbytes == 2 * 16 * LLAMA_8B.block_bytes + 1 * 8  # one id per KV block
     blocks = 100_000 // LLAMA_8B.block_size
     chunks = chunk_ranges(blocks, ring.slot_blocks)
     assert sum(len(c) for c in chunks) == blocks

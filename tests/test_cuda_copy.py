@@ -156,7 +156,7 @@ def test_gpu_memory_stays_within_the_ring(order):
     if order == "BLHNC":
         assert engine.staging_bytes == 0  # one DMA per run, straight from the KV buffer
     else:
-        assert 0 < engine.staging_bytes <= ring + 4096  # the ring and its id buffers
+        assert 0 < engine.staging_bytes <= ring + 2 * 256 * 8  # the ring, an id per block each way
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()

@@ -37,7 +37,13 @@ _HIGH_PRIORITY = -1
 
 
 class StagingRing:
-    """``slots`` device buffers of ``slot_blocks`` canonical rows, each with its id buffer."""
+    """``slots`` device buffers of ``slot_blocks`` canonical rows, and one device buffer for a
+    whole transfer's block ids (at most every block once).
+
+    The ids go to the device in one copy before the first chunk: a copy per chunk, queued
+    after the previous chunk had landed, waited behind the next chunk's DMA in the same
+    direction and held up the pipeline.
+    """
 
     def __init__(self, placement: KVPlacement, nbytes: int, slots: int = 2):
         block_bytes = placement.layout.block_bytes
@@ -47,16 +53,23 @@ class StagingRing:
             torch.zeros((self.slot_blocks, block_bytes), dtype=torch.uint8, device=device)
             for _ in range(slots)
         ]
-        self.ids = [
-            torch.empty(self.slot_blocks, dtype=torch.long, device=device) for _ in range(slots)
-        ]
+        self.ids = torch.empty(placement.num_blocks, dtype=torch.long, device=device)
         self.released: list[torch.cuda.Event | None] = [None] * slots
         """Per slot, the event after which its last reader is done (None: never used)."""
         self._next = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() for r in self.rows) + sum(i.numel() * 8 for i in self.ids)
+        return sum(r.numel() for r in self.rows) + self.ids.numel() * 8
+
+    def load_ids(self, ids: torch.Tensor, count: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Queues the first ``count`` of pinned ``ids`` to the device on ``stream``, the stream of
+        every reader of the device buffer (so no earlier transfer still reads what it
+        overwrites); returns them on the device."""
+        if count > self.ids.numel():
+            raise ValueError(f"{count} blocks in one transfer, but the KV holds {self.ids.numel()}")
+        with torch.cuda.stream(stream):
+            return self.ids[:count].copy_(ids[:count], non_blocking=True)
 
     def take(self) -> int:
         """The next slot in turn."""
@@ -140,16 +153,15 @@ class CudaCopier:
                 return start, _record(stream, timing=True), None
         ids = self.ids.take(block_ids)
         ring, kernels, dma = self._rings[STORE], self._kernels[STORE], self._dma[STORE]
+        dev_ids = ring.load_ids(ids, len(block_ids), kernels)
         kernels.wait_stream(compute)
         start = _record(kernels, timing=True)
         for chunk in chunk_ranges(len(block_ids), ring.slot_blocks):
             k, m = ring.take(), len(chunk)
-            rows, dev_ids = ring.rows[k][:m], ring.ids[k][:m]
             with torch.cuda.stream(kernels):
                 if ring.released[k] is not None:
                     kernels.wait_event(ring.released[k])
-                dev_ids.copy_(ids[chunk.start : chunk.stop], non_blocking=True)
-                self.placement.gather(dev_ids, rows)
+                self.placement.gather(dev_ids[chunk.start : chunk.stop], ring.rows[k][:m])
                 gathered = _record(kernels)
             with torch.cuda.stream(dma):
                 dma.wait_event(gathered)
@@ -188,10 +200,10 @@ class CudaCopier:
                 return start, _record(dma, timing=True), None
         ids = self.ids.take(block_ids)
         ring, kernels = self._rings[LOAD], self._kernels[LOAD]
+        dev_ids = ring.load_ids(ids, len(block_ids), kernels)
         start = _record(dma, timing=True)
         for chunk in chunk_ranges(len(block_ids), ring.slot_blocks):
             k, m = ring.take(), len(chunk)
-            rows, dev_ids = ring.rows[k][:m], ring.ids[k][:m]
             with torch.cuda.stream(dma):
                 if ring.released[k] is not None:
                     dma.wait_event(ring.released[k])
@@ -205,8 +217,7 @@ class CudaCopier:
                 landed = _record(dma)
             with torch.cuda.stream(kernels):
                 kernels.wait_event(landed)
-                dev_ids.copy_(ids[chunk.start : chunk.stop], non_blocking=True)
-                self.placement.scatter(rows, dev_ids)
+                self.placement.scatter(ring.rows[k][:m], dev_ids[chunk.start : chunk.stop])
                 ring.released[k] = _record(kernels, timing=True)
         return start, ring.released[k], ids
 
