@@ -90,9 +90,10 @@ class Daemon:
             engine_group=engine_group,
         )
         log.info(
-            "session %s opened by %r for layout %s",
+            "session %s opened by %r (pid %d) for layout %s",
             session.session_id[:8],
             session.client_name,
+            client_pid,
             signature.hex()[:12],
         )
         quota = self.slot_quota(store)

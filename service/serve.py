@@ -1,7 +1,8 @@
 """``kvtier serve``: the daemon's lifecycle in one place.
 
 Builds the store (each layout's arena and tiers come with its first client), the gRPC servers
-(a unix socket, mode 0600, and TCP with a token only when asked), health checking, reflection
+(a unix socket, mode 0600, served through a relay that binds each connection to its process,
+and TCP with a token only when asked), health checking, reflection
 and the statistics endpoint; logs where each listens; then serves until SIGTERM or SIGINT.
 Shutdown: health goes NOT_SERVING, keep-alive and event streams end, in-flight calls get
 ``grace_s`` to finish, every session's slots are given back, the disk writers flush and LMDB
@@ -42,6 +43,7 @@ from kvtier.service.metrics import Metrics
 from kvtier.service.servicer import KvTierServicer
 from kvtier.service.stats_http import StatsServer
 from kvtier.service.store import BlockStore
+from kvtier.service.unix_relay import UnixRelay
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ async def _start(
         raise StartError(f"--tcp needs a token: --token-file or ${contract.TOKEN_ENV}")
     socket_path = config.socket_path
     _prepare_socket(socket_path)
+    relay = _prepare_relay(socket_path)
+    made.callback(_remove_dir, relay.private_dir)  # last: after the relay's sockets are gone
 
     events = EventHub(asyncio.get_running_loop(), max_subscribers=config.max_watchers)
     store = BlockStore(config, events)
@@ -113,17 +117,18 @@ async def _start(
     daemon = Daemon(config, store)
     made.push_async_callback(asyncio.to_thread, daemon.shutdown)  # sessions, then the store
     metrics = Metrics(daemon.stats)
-    servicer = KvTierServicer(daemon, events, metrics, stopping)
+    servicer = KvTierServicer(daemon, events, metrics, stopping, peers=relay.peer)
     made.callback(servicer.close)
     health = health_aio.HealthServicer()
     servers = [_server(servicer, health, None)]
     made.push_async_callback(servers[0].stop, None)
     with _private_umask():
-        servers[0].add_insecure_port(contract.unix_target(socket_path))
+        servers[0].add_insecure_port(contract.unix_target(relay.upstream))
         await servers[0].start()
-    made.callback(_remove_socket, socket_path, os.lstat(socket_path).st_ino)
-    os.chmod(socket_path, 0o600)
-    where = [f"grpc unix:{socket_path}"]
+    made.callback(_remove_socket, relay.upstream, os.lstat(relay.upstream).st_ino)
+    made.callback(relay.close)
+    made.callback(_remove_socket, socket_path, relay.listen())
+    where = [f"grpc unix:{socket_path} (each connection's process known)"]
     if config.tcp:
         tcp = _server(servicer, health, TokenInterceptor(token))
         made.push_async_callback(tcp.stop, None)
@@ -236,6 +241,26 @@ def _prepare_socket(path: Path) -> None:
             _remove_socket(path, st.st_ino)
             return
     raise StartError(f"a daemon already listens on {path}; stop it or use --name/--socket")
+
+
+def _prepare_relay(public: Path) -> UnixRelay:
+    """The relay of the unix socket, its private directory beside the socket, ours alone and
+    cleared of a dead daemon's sockets."""
+    relay = UnixRelay(public, public.parent / f".{public.name}.d")
+    contract.ensure_socket_dir(relay.private_dir)
+    if relay.address_bytes() > 107:
+        raise StartError(
+            f"unix socket path {public} leaves no room for the relay's addresses under "
+            f"{relay.private_dir} (107 bytes at most); use a shorter --socket"
+        )
+    relay.clear_private_dir()
+    return relay
+
+
+def _remove_dir(path: Path) -> None:
+    """Removes ``path`` if it is empty (never anything someone put there)."""
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _remove_socket(path: Path, inode: int) -> None:

@@ -23,7 +23,7 @@ import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.proto.contract import HASH_BYTES
+from kvtier.proto.contract import HASH_BYTES, pid_namespace
 from kvtier.service.arena import ArenaError
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import STORED, BlockEvent, EventHub, TooManyWatchers
@@ -31,6 +31,7 @@ from kvtier.service.handlers import Refused
 from kvtier.service.metrics import Metrics
 from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.store import LayoutRefused
+from kvtier.service.unix_relay import PeerCred
 from kvtier.service.wire import RequestError, check_hash, check_slots, split_hashes
 from kvtier.tiers.ratelog import RateLimitedLog
 
@@ -70,17 +71,19 @@ def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def _peer(context: grpc.aio.ServicerContext) -> str:
-    """The TCP peer a session is bound to; "" on the unix socket, whose mode guards it."""
+    """The connection a session is bound to: a TCP peer, or the address the unix socket's
+    relay bound the connection to (``unix_relay``); "" for an unbound unix peer."""
     peer = context.peer() or ""
-    return peer if peer.startswith(("ipv4:", "ipv6:")) else ""
+    return peer if peer.startswith(("ipv4:", "ipv6:", "unix:/")) else ""
 
 
 def _log_source(peer: str) -> str:
-    """Whom a refusal is logged against: a TCP peer's host without its port, so that a client
-    opening a new connection per call still gets one line per kind."""
+    """Whom a refusal is logged against: a TCP peer's host without its port, and every unix
+    peer as one (the daemon's own user), so that a client opening a new connection per call
+    still gets one line per kind."""
     if peer.startswith(("ipv4:", "ipv6:")):
         return peer.rsplit(":", 1)[0]
-    return peer
+    return "unix" if peer.startswith("unix:") else peer
 
 
 Handler = Callable[["KvTierServicer", object, grpc.aio.ServicerContext], Awaitable[object]]
@@ -114,8 +117,17 @@ def _unary(method: Handler) -> Handler:
 class KvTierServicer(pb_grpc.KvTierServicer):
     """Translates ``kvtier.v1`` calls into ``Daemon`` operations."""
 
-    def __init__(self, daemon: Daemon, events: EventHub, metrics: Metrics, stopping: asyncio.Event):
+    def __init__(
+        self,
+        daemon: Daemon,
+        events: EventHub,
+        metrics: Metrics,
+        stopping: asyncio.Event,
+        peers: Callable[[str], PeerCred | None] = lambda _peer: None,
+    ):
         self.daemon = daemon
+        self.peers = peers
+        """gRPC peer -> the process the kernel says is on that connection (unix socket)."""
         self.events = events
         self.metrics = metrics
         self.stopping = stopping
@@ -148,6 +160,12 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @_unary
     async def Open(self, request: pb.OpenRequest, context) -> pb.OpenResponse:
+        # The kernel's pid, in this namespace, over the client's word where the relay has it:
+        # it also lets a client in another pid namespace be found gone.
+        cred = self.peers(context.peer() or "")
+        pid, pid_ns = (
+            (cred.pid, pid_namespace()) if cred else (request.client_pid, request.client_pid_ns)
+        )
         opened = await self._run(
             functools.partial(
                 self.daemon.open,
@@ -157,8 +175,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 request.block_tokens,
                 request.protocol_version,
                 peer=_peer(context),
-                client_pid=request.client_pid,
-                client_pid_ns=request.client_pid_ns,
+                client_pid=pid,
+                client_pid_ns=pid_ns,
                 engine_group=request.engine_group[:128],
             )
         )
