@@ -1,8 +1,8 @@
 """``kvtier serve``: the daemon's lifecycle in one place.
 
 Builds the store (each layout's arena and tiers come with its first client), the gRPC servers
-(a unix socket, mode 0600, served through a relay that binds each connection to its process,
-and TCP with a token only when asked), health checking, reflection
+(a unix socket, mode 0600, served through a relay process that binds each connection to its
+client's pid, and TCP with a token only when asked), health checking, reflection
 and the statistics endpoint; logs where each listens; then serves until SIGTERM or SIGINT.
 Shutdown: health goes NOT_SERVING, keep-alive and event streams end, in-flight calls get
 ``grace_s`` to finish, every session's slots are given back, the disk writers flush and LMDB
@@ -43,7 +43,14 @@ from kvtier.service.metrics import Metrics
 from kvtier.service.servicer import KvTierServicer
 from kvtier.service.stats_http import StatsServer
 from kvtier.service.store import BlockStore
-from kvtier.service.unix_relay import UnixRelay
+from kvtier.service.unix_relay import (
+    RelayProcess,
+    clear_private_dir,
+    client_pid,
+    longest_address,
+    private_dir_of,
+    upstream_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +115,8 @@ async def _start(
         raise StartError(f"--tcp needs a token: --token-file or ${contract.TOKEN_ENV}")
     socket_path = config.socket_path
     _prepare_socket(socket_path)
-    relay = _prepare_relay(socket_path)
-    made.callback(_remove_dir, relay.private_dir)  # last: after the relay's sockets are gone
+    private_dir = _prepare_private_dir(socket_path)
+    made.callback(_remove_dir, private_dir)  # last: after every socket in it is gone
 
     events = EventHub(asyncio.get_running_loop(), max_subscribers=config.max_watchers)
     store = BlockStore(config, events)
@@ -117,18 +124,27 @@ async def _start(
     daemon = Daemon(config, store)
     made.push_async_callback(asyncio.to_thread, daemon.shutdown)  # sessions, then the store
     metrics = Metrics(daemon.stats)
-    servicer = KvTierServicer(daemon, events, metrics, stopping, peers=relay.peer)
+    servicer = KvTierServicer(
+        daemon, events, metrics, stopping, client_pid=lambda peer: client_pid(peer, private_dir)
+    )
     made.callback(servicer.close)
     health = health_aio.HealthServicer()
     servers = [_server(servicer, health, None)]
     made.push_async_callback(servers[0].stop, None)
+    upstream = upstream_of(private_dir)
     with _private_umask():
-        servers[0].add_insecure_port(contract.unix_target(relay.upstream))
+        servers[0].add_insecure_port(contract.unix_target(upstream))
         await servers[0].start()
-    made.callback(_remove_socket, relay.upstream, os.lstat(relay.upstream).st_ino)
-    made.callback(relay.close)
-    made.callback(_remove_socket, socket_path, relay.listen())
-    where = [f"grpc unix:{socket_path} (each connection's process known)"]
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        made.callback(listener.close)
+        listener.bind(os.fspath(socket_path))
+    made.callback(_remove_socket, socket_path, os.lstat(socket_path).st_ino)
+    os.chmod(socket_path, 0o600)
+    listener.listen(128)
+    relay = RelayProcess(listener, private_dir)
+    await relay.start()
+    made.push_async_callback(relay.stop)
+    where = [f"grpc unix:{socket_path} (through a relay that knows each client's pid)"]
     if config.tcp:
         tcp = _server(servicer, health, TokenInterceptor(token))
         made.push_async_callback(tcp.stop, None)
@@ -243,18 +259,18 @@ def _prepare_socket(path: Path) -> None:
     raise StartError(f"a daemon already listens on {path}; stop it or use --name/--socket")
 
 
-def _prepare_relay(public: Path) -> UnixRelay:
-    """The relay of the unix socket, its private directory beside the socket, ours alone and
-    cleared of a dead daemon's sockets."""
-    relay = UnixRelay(public, public.parent / f".{public.name}.d")
-    contract.ensure_socket_dir(relay.private_dir)
-    if relay.address_bytes() > 107:
+def _prepare_private_dir(public: Path) -> Path:
+    """The directory of gRPC's own socket and the relay's addresses (``unix_relay``), beside
+    the public socket: ours alone, and cleared of a dead daemon's sockets."""
+    private_dir = private_dir_of(public)
+    contract.ensure_socket_dir(private_dir)
+    if longest_address(private_dir) > 107:
         raise StartError(
             f"unix socket path {public} leaves no room for the relay's addresses under "
-            f"{relay.private_dir} (107 bytes at most); use a shorter --socket"
+            f"{private_dir} (107 bytes at most); use a shorter --socket"
         )
-    relay.clear_private_dir()
-    return relay
+    clear_private_dir(private_dir)
+    return private_dir
 
 
 def _remove_dir(path: Path) -> None:

@@ -15,8 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -24,14 +23,12 @@ import grpc
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.contract import HASH_BYTES, pid_namespace
-from kvtier.service.arena import ArenaError
+from kvtier.service.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import STORED, BlockEvent, EventHub, TooManyWatchers
+from kvtier.service.events import STORED, BlockEvent, EventHub
 from kvtier.service.handlers import Refused
 from kvtier.service.metrics import Metrics
-from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
-from kvtier.service.store import LayoutRefused
-from kvtier.service.unix_relay import PeerCred
+from kvtier.service.sessions import OwnershipError, SessionError
 from kvtier.service.wire import RequestError, check_hash, check_slots, split_hashes
 from kvtier.tiers.ratelog import RateLimitedLog
 
@@ -44,16 +41,6 @@ INLINE_BATCH = 256
 """Batches up to this many hashes or slots are served on the event loop; larger go to a thread."""
 WORKERS = 8
 
-_CODES = {
-    SessionError: grpc.StatusCode.NOT_FOUND,
-    OwnershipError: grpc.StatusCode.PERMISSION_DENIED,
-    LayoutRefused: grpc.StatusCode.FAILED_PRECONDITION,
-    SessionLimit: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    TooManyWatchers: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ArenaError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    CallCancelled: grpc.StatusCode.CANCELLED,
-}
-_REFUSALS = (RequestError, *_CODES)
 _TIER_FIELDS = frozenset(pb.TierStats.DESCRIPTOR.fields_by_name) - {"other"}
 
 
@@ -62,56 +49,6 @@ def _tier_stats(counters: dict) -> pb.TierStats:
     known = {k: v for k, v in counters.items() if k in _TIER_FIELDS}
     other = {k: v for k, v in counters.items() if k not in _TIER_FIELDS}
     return pb.TierStats(**known, other=other)
-
-
-def _status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, RequestError):
-        return exc.code, exc.message
-    return _CODES[type(exc)], str(exc)
-
-
-def _peer(context: grpc.aio.ServicerContext) -> str:
-    """The connection a session is bound to: a TCP peer, or the address the unix socket's
-    relay bound the connection to (``unix_relay``); "" for an unbound unix peer."""
-    peer = context.peer() or ""
-    return peer if peer.startswith(("ipv4:", "ipv6:", "unix:/")) else ""
-
-
-def _log_source(peer: str) -> str:
-    """Whom a refusal is logged against: a TCP peer's host without its port, and every unix
-    peer as one (the daemon's own user), so that a client opening a new connection per call
-    still gets one line per kind."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rsplit(":", 1)[0]
-    return "unix" if peer.startswith("unix:") else peer
-
-
-Handler = Callable[["KvTierServicer", object, grpc.aio.ServicerContext], Awaitable[object]]
-
-
-def _unary(method: Handler) -> Handler:
-    """Times the call, answers a refused request, and turns refusals into status codes."""
-    name = method.__name__
-
-    @functools.wraps(method)
-    async def wrapper(self: KvTierServicer, request: object, context: grpc.aio.ServicerContext):
-        start = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            if isinstance(request, Refused):
-                raise RequestError(request.code, request.message, request.kind)
-            return await method(self, request, context)
-        except _REFUSALS as exc:
-            code, message = _status(exc)
-            self.refused(context, exc, message)
-            await context.abort(code, message)
-        except BaseException:
-            code = grpc.StatusCode.UNKNOWN
-            raise
-        finally:
-            self.metrics.observe(name, code.name, time.perf_counter() - start)
-
-    return wrapper
 
 
 class KvTierServicer(pb_grpc.KvTierServicer):
@@ -123,11 +60,11 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         events: EventHub,
         metrics: Metrics,
         stopping: asyncio.Event,
-        peers: Callable[[str], PeerCred | None] = lambda _peer: None,
+        client_pid: Callable[[str], int | None] = lambda _peer: None,
     ):
         self.daemon = daemon
-        self.peers = peers
-        """gRPC peer -> the process the kernel says is on that connection (unix socket)."""
+        self.client_pid = client_pid
+        """gRPC peer -> the pid the kernel gave for that connection (the unix socket's relay)."""
         self.events = events
         self.metrics = metrics
         self.stopping = stopping
@@ -143,7 +80,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         if isinstance(exc, RequestError) and exc.kind:
             peer = context.peer() or "?"
             self._limiter.warning(
-                f"{_log_source(peer)}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
+                f"{log_source(peer)}/{exc.kind}", "refused %s from %s: %s", exc.kind, peer, message
             )
 
     def _hashes(self, request) -> list[bytes]:
@@ -158,13 +95,15 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     # ---- sessions ----
 
-    @_unary
+    @unary
     async def Open(self, request: pb.OpenRequest, context) -> pb.OpenResponse:
         # The kernel's pid, in this namespace, over the client's word where the relay has it:
         # it also lets a client in another pid namespace be found gone.
-        cred = self.peers(context.peer() or "")
+        known = self.client_pid(context.peer() or "")
         pid, pid_ns = (
-            (cred.pid, pid_namespace()) if cred else (request.client_pid, request.client_pid_ns)
+            (known, pid_namespace())
+            if known is not None
+            else (request.client_pid, request.client_pid_ns)
         )
         opened = await self._run(
             functools.partial(
@@ -174,7 +113,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 request.block_bytes,
                 request.block_tokens,
                 request.protocol_version,
-                peer=_peer(context),
+                peer=session_peer(context),
                 client_pid=pid,
                 client_pid_ns=pid_ns,
                 engine_group=request.engine_group[:128],
@@ -195,9 +134,9 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             lookup_hold_ms=int(self.daemon.config.lookup_hold_s * 1000),
         )
 
-    @_unary
+    @unary
     async def Close(self, request: pb.SessionRequest, context) -> pb.CloseResponse:
-        left = self.daemon.close(request.session_id, _peer(context))
+        left = self.daemon.close(request.session_id, session_peer(context))
         return pb.CloseResponse(aborted=len(left.reserved), released=len(left.acquired))
 
     async def KeepAlive(self, request: pb.SessionRequest, context) -> AsyncIterator:
@@ -205,9 +144,9 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             await context.abort(request.code, request.message)
         session_id = request.session_id
         try:
-            self.daemon.attach(session_id, _peer(context))
+            self.daemon.attach(session_id, session_peer(context))
         except (SessionError, OwnershipError) as exc:
-            await context.abort(*_status(exc))
+            await context.abort(*status_of(exc))
         lease_ms = int(self.daemon.config.lease_s * 1000)
         interval = self.daemon.config.lease_s / 3
         try:
@@ -221,18 +160,18 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     # ---- blocks over the arena ----
 
-    @_unary
+    @unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        peer = _peer(context)
+        peer = session_peer(context)
         hits = await self._run(
             lambda: self.daemon.lookup(request.session_id, self._hashes(request), peer),
             heavy=_heavy(request.hashes),
         )
         return pb.LookupResponse(host=hits.host, disk=hits.disk, remote=hits.remote)
 
-    @_unary
+    @unary
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        peer = _peer(context)
+        peer = session_peer(context)
         slots = await self._run(
             lambda: self.daemon.reserve(
                 request.session_id,
@@ -245,24 +184,24 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         )
         return pb.ReserveResponse(slots=slots)
 
-    @_unary
+    @unary
     async def Commit(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
         await self._run(
-            functools.partial(self.daemon.commit, request.session_id, slots, _peer(context)),
+            functools.partial(self.daemon.commit, request.session_id, slots, session_peer(context)),
             heavy=len(slots) > INLINE_BATCH,
         )
         return pb.SlotsResponse(count=len(slots))
 
-    @_unary
+    @unary
     async def Abort(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.abort(request.session_id, slots, _peer(context))
+        self.daemon.abort(request.session_id, slots, session_peer(context))
         return pb.SlotsResponse(count=len(slots))
 
-    @_unary
+    @unary
     async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        peer = _peer(context)
+        peer = session_peer(context)
         slots, sources = await self._run(
             lambda: self.daemon.acquire(
                 request.session_id, self._hashes(request), request.call_id, peer
@@ -272,24 +211,24 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             slots=slots, host=sources.host, disk=sources.disk, remote=sources.remote
         )
 
-    @_unary
+    @unary
     async def Release(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.release(request.session_id, slots, _peer(context))
+        self.daemon.release(request.session_id, slots, session_peer(context))
         return pb.SlotsResponse(count=len(slots))
 
-    @_unary
+    @unary
     async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        returned = self.daemon.cancel(request.session_id, request.call_id, _peer(context))
+        returned = self.daemon.cancel(request.session_id, request.call_id, session_peer(context))
         return pb.CancelResponse(returned=returned)
 
     # ---- blocks as bytes ----
 
-    @_unary
+    @unary
     async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context) -> pb.PutResponse:
         response = pb.PutResponse()
         session_id = None
-        peer = _peer(context)
+        peer = session_peer(context)
         async for message in request_iterator:
             if isinstance(message, Refused):
                 raise RequestError(message.code, message.message, message.kind)
@@ -309,14 +248,14 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         return response
 
     async def Get(self, request: pb.GetRequest, context) -> AsyncIterator[pb.GetResponse]:
-        peer = _peer(context)
+        peer = session_peer(context)
         try:
             if isinstance(request, Refused):
                 raise RequestError(request.code, request.message, request.kind)
             hashes = split_hashes(request.hashes, self.max)
             self.daemon.sessions.get(request.session_id, peer)
-        except _REFUSALS as exc:
-            code, message = _status(exc)
+        except REFUSALS as exc:
+            code, message = status_of(exc)
             self.refused(context, exc, message)
             await context.abort(code, message)
         for i in range(0, len(hashes), GET_CHUNK):
@@ -325,8 +264,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 blocks = await self._run(
                     functools.partial(self.daemon.get, request.session_id, chunk, peer)
                 )
-            except _REFUSALS as exc:
-                await context.abort(*_status(exc))
+            except REFUSALS as exc:
+                await context.abort(*status_of(exc))
             for block_hash, data in zip(chunk, blocks, strict=False):
                 yield pb.GetResponse(hash=block_hash, data=data)
             if len(blocks) < len(chunk):
@@ -334,7 +273,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     # ---- statistics and events ----
 
-    @_unary
+    @unary
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = self.daemon.stats()
         return pb.StatsResponse(
@@ -353,8 +292,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, "layout_signature must be 16 bytes"
                 )
             subscription = self.events.subscribe(layout)
-        except _REFUSALS as exc:
-            await context.abort(*_status(exc))
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
         try:
             if request.replay:
                 async for batch in self._replay(layout):

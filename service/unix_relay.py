@@ -1,29 +1,33 @@
-"""The daemon's unix socket: a relay that binds each connection to an address of its own.
+"""The daemon's unix socket: a relay that binds each connection to an address naming its process.
 
 gRPC Python tells a servicer nothing about a unix-socket client: ``context.peer()`` is
 ``"unix:"`` for every connection, so a session id would be a bearer token any process could
 use. kvtier therefore accepts on the public socket itself, reads the kernel's ``SO_PEERCRED``
-(pid, uid, gid) of each connection, and relays its bytes to gRPC's private socket over a
-connection bound to a fresh address in a private directory. gRPC reports that address as the
-peer (``unix:<dir>/c<n>``), so a session is bound to the connection that opened it, as on
-TCP, and each address maps to the process on the other end.
+of each connection, and relays its bytes to gRPC's private socket over a connection bound to
+a fresh address in a private directory, ``c<n>-<pid>``. gRPC reports that address as the peer,
+so a session is bound to the connection that opened it, as on TCP, and the daemon knows the
+client's pid in its own pid namespace, whatever namespace the client runs in.
 
-The bytes move with ``os.splice`` through a pipe, kernel to kernel, on two threads per
-connection: bulk data never crosses this socket (it moves through the shared arena), and
-neither the event loop nor the GIL is in the way of a call.
+The relay runs in a process of its own (``RelayProcess``), so that relaying never waits for
+the daemon's GIL, and dies with the daemon. Bytes move with ``os.splice`` through a pipe,
+kernel to kernel, on two threads per connection; bulk data never crosses this socket (it moves
+through the shared arena).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import itertools
 import logging
 import os
+import signal
 import socket
 import stat
 import struct
+import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -31,88 +35,101 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 16
 """Bytes per splice: a pipe's default capacity."""
 _UCRED = struct.Struct("3i")
+_PR_SET_PDEATHSIG = 1
+RESPAWN_S = 1.0
+"""Pause before a relay that died is started again."""
 
 
-@dataclass(frozen=True, slots=True)
-class PeerCred:
-    """Who is on a connection, as the kernel says (pid in the daemon's pid namespace)."""
-
-    pid: int
-    uid: int
-    gid: int
+def private_dir_of(public: Path) -> Path:
+    """The relay's private directory, beside the public socket."""
+    return public.parent / f".{public.name}.d"
 
 
-class UnixRelay:
-    """Accepts on ``public`` and relays each connection to gRPC listening on ``upstream``."""
+def upstream_of(private_dir: Path) -> Path:
+    """gRPC's own socket, reached only through the relay."""
+    return private_dir / "grpc.sock"
 
-    def __init__(self, public: Path, private_dir: Path):
-        self.public = public
+
+def longest_address(private_dir: Path) -> int:
+    """Bytes of the longest address a relayed connection is bound to."""
+    return len(os.fsencode(private_dir / f"c{2**63}-{2**22}"))
+
+
+def client_pid(grpc_peer: str, private_dir: Path) -> int | None:
+    """The pid a relayed connection's address names (``unix:<private_dir>/c<n>-<pid>``)."""
+    prefix = f"unix:{private_dir}/c"
+    if not grpc_peer.startswith(prefix):
+        return None
+    _, _, pid = grpc_peer[len(prefix) :].partition("-")
+    return int(pid) if pid.isdigit() else None
+
+
+def clear_private_dir(private_dir: Path) -> None:
+    """Removes the sockets (and only those) a relay or gRPC left in the private directory."""
+    for entry in private_dir.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(entry.lstat().st_mode):
+                entry.unlink()
+
+
+class RelayProcess:
+    """Runs the relay of ``listener`` (bound and listening) in a child process, again should
+    it die, until ``stop``."""
+
+    def __init__(self, listener: socket.socket, private_dir: Path):
+        self.listener = listener
         self.private_dir = private_dir
-        self.upstream = private_dir / "grpc.sock"
-        self._peers: dict[str, PeerCred] = {}
-        self._open: dict[str, tuple[socket.socket, socket.socket, list[threading.Thread]]] = {}
-        """Per relayed connection: its two sockets and the two threads that pump them."""
-        self._lock = threading.Lock()
+        self._proc: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        self._proc = await self._spawn()
+        self._watch = asyncio.create_task(self._keep_running())
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.terminate()
+            await self._proc.wait()
+        clear_private_dir(self.private_dir)
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        fd = self.listener.fileno()
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            __name__,
+            str(fd),
+            os.fspath(self.private_dir),
+            str(os.getpid()),
+            pass_fds=(fd,),
+        )
+
+    async def _keep_running(self) -> None:
+        while not self._stopping:
+            code = await self._proc.wait()
+            log.error("kvtier: the unix socket's relay exited (%s); starting it again", code)
+            await asyncio.sleep(RESPAWN_S)
+            self._proc = await self._spawn()
+
+
+class Relay:
+    """In the relay process: accepts on ``listener`` and relays each connection to gRPC."""
+
+    def __init__(self, listener: socket.socket, private_dir: Path):
+        self.listener = listener
+        self.private_dir = private_dir
+        self.upstream = os.fspath(upstream_of(private_dir))
         self._count = itertools.count(1)
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
 
-    def address_bytes(self) -> int:
-        """Length of the longest address a relayed connection is bound to."""
-        return len(os.fsencode(self.private_dir / f"c{2**63}"))
-
-    def clear_private_dir(self) -> None:
-        """Removes a dead daemon's sockets from the private directory (sockets only)."""
-        for entry in self.private_dir.iterdir():
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISSOCK(entry.lstat().st_mode):
-                    entry.unlink()
-
-    def listen(self) -> int:
-        """Binds ``public`` (mode 0600), starts accepting; returns the socket's inode."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
-        try:
-            listener.bind(os.fspath(self.public))
-        except BaseException:
-            listener.close()
-            raise
-        finally:
-            os.umask(old)
-        os.chmod(self.public, 0o600)
-        listener.listen(128)
-        self._listener = listener
-        self._acceptor = threading.Thread(target=self._accept, name="kvtier-relay", daemon=True)
-        self._acceptor.start()
-        return os.lstat(self.public).st_ino
-
-    def peer(self, grpc_peer: str) -> PeerCred | None:
-        """The process on the relayed connection gRPC names ``grpc_peer``, if it is one."""
-        with self._lock:
-            return self._peers.get(grpc_peer)
-
-    def close(self) -> None:
-        """Stops accepting, ends every relayed connection and waits for its threads."""
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
-            listener.close()
-        if self._acceptor is not None:
-            self._acceptor.join()
-        with self._lock:
-            held = list(self._open.values())
-        for client, upstream, threads in held:
-            _shut(client, upstream)
-            for thread in threads:
-                thread.join()
-
-    def _accept(self) -> None:
-        while (listener := self._listener) is not None:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return  # closed
+    def serve_forever(self) -> None:
+        while True:
+            client, _ = self.listener.accept()
             try:
                 self._relay(client)
             except OSError as exc:
@@ -121,41 +138,32 @@ class UnixRelay:
 
     def _relay(self, client: socket.socket) -> None:
         raw = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        cred = PeerCred(*_UCRED.unpack(raw))
-        address = self.private_dir / f"c{next(self._count)}"
+        pid, _uid, _gid = _UCRED.unpack(raw)
+        address = self.private_dir / f"c{next(self._count)}-{pid}"
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             upstream.bind(os.fspath(address))
-            upstream.connect(os.fspath(self.upstream))
+            upstream.connect(self.upstream)
         except BaseException:
             upstream.close()
             address.unlink(missing_ok=True)
             raise
-        key = f"unix:{address}"
-        threads: list[threading.Thread] = []
         pumping = [2]
+        lock = threading.Lock()
 
         def pump(src: socket.socket, dst: socket.socket) -> None:
             _splice_until_closed(src, dst)
             _shut(client, upstream)  # one side gone: end the other
-            with self._lock:
+            with lock:
                 pumping[0] -= 1
                 if pumping[0]:
                     return  # the last of the two cleans up
-                del self._peers[key], self._open[key]
             client.close()
             upstream.close()
             address.unlink(missing_ok=True)
 
         for src, dst in ((client, upstream), (upstream, client)):
-            threads.append(
-                threading.Thread(target=pump, args=(src, dst), name="kvtier-relay", daemon=True)
-            )
-        with self._lock:
-            self._peers[key] = cred
-            self._open[key] = (client, upstream, threads)
-        for thread in threads:
-            thread.start()
+            threading.Thread(target=pump, args=(src, dst), daemon=True).start()
 
 
 def _shut(*socks: socket.socket) -> None:
@@ -176,3 +184,26 @@ def _splice_until_closed(src: socket.socket, dst: socket.socket) -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def _die_with(daemon_pid: int) -> None:
+    """The kernel ends this process when the daemon ends, even by SIGKILL; a daemon already
+    gone before that was asked ends it now."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != daemon_pid:
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m kvtier.service.unix_relay FD PRIVATE_DIR DAEMON_PID``: the relay process."""
+    _die_with(int(argv[2]))
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon stops it (SIGTERM), not ^C
+    listener = socket.socket(fileno=int(argv[0]))
+    Relay(listener, Path(argv[1])).serve_forever()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -107,3 +107,37 @@ def test_the_relay_leaves_nothing_behind(daemon):
     )
     assert daemon.stop() == 0, daemon.log.read_text()
     assert not private.exists() and not daemon.socket.exists()
+
+
+def relay_pids(daemon: Daemon) -> list[int]:
+    """Processes running the daemon's relay (its private directory is on their command line)."""
+    private = str(daemon.socket.parent / f".{daemon.socket.name}.d")
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"kvtier.service.unix_relay" in args and private.encode() in args:
+                pids.append(int(entry))
+    return pids
+
+
+def test_a_relay_that_dies_is_started_again_and_dies_with_the_daemon():
+    daemon = Daemon(host_bytes=16 * BLOCK_BYTES).start()
+    try:
+        (first,) = relay_pids(daemon)
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: relay_pids(daemon) not in ([], [first]), "a new relay")
+        channel, stub = daemon.stub()
+        with channel:
+            assert open_session(stub, wait_for_ready=True).session_id
+        assert "relay exited" in daemon.log.read_text()
+        (second,) = relay_pids(daemon)
+        daemon.kill(signal.SIGKILL)
+        wait_until(lambda: not relay_pids(daemon), "the relay gone with its daemon")
+        assert second != first
+    finally:
+        daemon.cleanup()

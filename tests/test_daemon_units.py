@@ -8,7 +8,7 @@ import pytest
 from kvtier.connector.client import DaemonClient
 from kvtier.service import config
 from kvtier.service.arena import Arena, ArenaError
-from kvtier.service.servicer import _log_source
+from kvtier.service.calls import log_source
 from kvtier.service.sessions import (
     ACQUIRE,
     RESERVE,
@@ -132,11 +132,11 @@ def test_arena_is_private_and_exclusive(tmp_path):
 
 def test_refusals_are_logged_per_host_not_per_connection():
     """A client that opens a new TCP connection per call is still one source of log lines."""
-    assert _log_source("ipv4:10.0.0.7:40001") == _log_source("ipv4:10.0.0.7:40002")
-    assert _log_source("ipv6:[::1]:40001") == _log_source("ipv6:[::1]:40002") == "ipv6:[::1]"
-    assert _log_source("ipv4:10.0.0.7:1") != _log_source("ipv4:10.0.0.8:1")
+    assert log_source("ipv4:10.0.0.7:40001") == log_source("ipv4:10.0.0.7:40002")
+    assert log_source("ipv6:[::1]:40001") == log_source("ipv6:[::1]:40002") == "ipv6:[::1]"
+    assert log_source("ipv4:10.0.0.7:1") != log_source("ipv4:10.0.0.8:1")
     # every relayed unix connection has an address of its own; all are the daemon's own user
-    assert _log_source("unix:/run/.kvtier.sock.d/c1") == _log_source("unix:/run/.kvtier.sock.d/c2")
+    assert log_source("unix:/run/.kvtier.sock.d/c1") == log_source("unix:/run/.kvtier.sock.d/c2")
 
 
 def test_wire_bounds():
