@@ -41,7 +41,9 @@ RESPAWN_S = 1.0
 
 
 def private_dir_of(public: Path) -> Path:
-    """The relay's private directory, beside the public socket."""
+    """The relay's private directory, beside the public socket. Absolute: gRPC names a peer
+    by the address as bound, and only an absolute one is taken for a relayed connection."""
+    public = Path(os.path.abspath(public))
     return public.parent / f".{public.name}.d"
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.service.unix_relay import client_pid, private_dir_of
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, open_session, wait_until
 
@@ -141,3 +143,14 @@ def test_a_relay_that_dies_is_started_again_and_dies_with_the_daemon():
         assert second != first
     finally:
         daemon.cleanup()
+
+
+def test_a_relative_socket_path_still_binds_every_session(monkeypatch, tmp_path):
+    """``--socket k.sock`` gave relative relay addresses, which no session was bound to."""
+    monkeypatch.chdir(tmp_path)
+    private = private_dir_of(Path("k.sock"))
+    assert private == tmp_path / ".k.sock.d"
+    assert client_pid(f"unix:{private}/c3-4242", private) == 4242
+    assert client_pid("unix:", private) is None
+    assert client_pid(f"unix:{private}/grpc.sock", private) is None
+    assert client_pid(f"unix:{private}/c3-", private) is None
