@@ -4,9 +4,10 @@ gRPC Python tells a servicer nothing about a unix-socket client: ``context.peer(
 ``"unix:"`` for every connection, so a session id would be a bearer token any process could
 use. kvtier therefore accepts on the public socket itself, reads the kernel's ``SO_PEERCRED``
 of each connection, and relays its bytes to gRPC's private socket over a connection bound to
-a fresh address in a private directory, ``c<n>-<pid>``. gRPC reports that address as the peer,
-so a session is bound to the connection that opened it, as on TCP, and the daemon knows the
-client's pid in its own pid namespace, whatever namespace the client runs in.
+a fresh address in a private directory, ``c<relay pid>.<n>-<client pid>`` (unique across a
+relay's restarts too). gRPC reports that address as the peer, so a session is bound to the
+connection that opened it, as on TCP, and the daemon knows the client's pid in its own pid
+namespace, whatever namespace the client runs in.
 
 The relay runs in a process of its own (``RelayProcess``), so that relaying never waits for
 the daemon's GIL, and dies with the daemon. Bytes move with ``os.splice`` through a pipe,
@@ -54,11 +55,11 @@ def upstream_of(private_dir: Path) -> Path:
 
 def longest_address(private_dir: Path) -> int:
     """Bytes of the longest address a relayed connection is bound to."""
-    return len(os.fsencode(private_dir / f"c{2**63}-{2**22}"))
+    return len(os.fsencode(private_dir / f"c{2**22}.{2**63}-{2**22}"))
 
 
 def client_pid(grpc_peer: str, private_dir: Path) -> int | None:
-    """The pid a relayed connection's address names (``unix:<private_dir>/c<n>-<pid>``)."""
+    """The client pid a relayed connection's address names (``unix:<private_dir>/c…-<pid>``)."""
     prefix = f"unix:{private_dir}/c"
     if not grpc_peer.startswith(prefix):
         return None
@@ -141,7 +142,7 @@ class Relay:
     def _relay(self, client: socket.socket) -> None:
         raw = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         pid, _uid, _gid = _UCRED.unpack(raw)
-        address = self.private_dir / f"c{next(self._count)}-{pid}"
+        address = self.private_dir / f"c{os.getpid()}.{next(self._count)}-{pid}"
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             upstream.bind(os.fspath(address))

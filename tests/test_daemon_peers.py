@@ -150,7 +150,7 @@ def test_a_relative_socket_path_still_binds_every_session(monkeypatch, tmp_path)
     monkeypatch.chdir(tmp_path)
     private = private_dir_of(Path("k.sock"))
     assert private == tmp_path / ".k.sock.d"
-    assert client_pid(f"unix:{private}/c3-4242", private) == 4242
+    assert client_pid(f"unix:{private}/c17.3-4242", private) == 4242
     assert client_pid("unix:", private) is None
     assert client_pid(f"unix:{private}/grpc.sock", private) is None
     assert client_pid(f"unix:{private}/c3-", private) is None
