@@ -15,13 +15,13 @@ import sys
 import textwrap
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.connector.client import DaemonClient
 from kvtier.connector.vllm_layout import kv_placement
+from kvtier.service.arena import SHM_DIR
 from kvtier.tiers import cuda_copy
 from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.host import HostTier
@@ -172,7 +172,7 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
 
     The arena lies on tmpfs as the daemon's does: Linux refuses to lock a writable shared
     mapping of a disk file (seen on an H200 machine's 6.18 kernel, "invalid argument")."""
-    path = Path("/dev/shm") / f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    path = SHM_DIR / f"kvtier-test-{uuid.uuid4().hex[:12]}"
     script = textwrap.dedent(
         f"""
         import threading, torch

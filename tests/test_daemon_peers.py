@@ -98,7 +98,7 @@ def test_slots_of_a_killed_client_in_another_pid_namespace_come_back_at_once(dae
 
 
 def test_the_relay_leaves_nothing_behind(daemon):
-    private = daemon.socket.parent / f".{daemon.socket.name}.d"
+    private = private_dir_of(daemon.socket)
     channel, stub = daemon.stub()
     with channel:
         open_session(stub)
@@ -113,7 +113,7 @@ def test_the_relay_leaves_nothing_behind(daemon):
 
 def relay_pids(daemon: Daemon) -> list[int]:
     """Processes running the daemon's relay (its private directory is on their command line)."""
-    private = str(daemon.socket.parent / f".{daemon.socket.name}.d")
+    private = str(private_dir_of(daemon.socket))
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.tiers.copy_plan import Run, chunk_ranges, plan_runs
+from kvtier.tiers.copy_plan import chunk_ranges, plan_runs
 from kvtier.tiers.cuda_runtime import copy_runs, runtime
 from kvtier.tiers.kv_placement import KVPlacement
 
@@ -149,7 +149,7 @@ class CudaCopier:
             runs = plan_runs(offsets, [s * block_bytes for s in slots], block_bytes, host_boundary)
             with torch.cuda.stream(stream):
                 start = _record(stream, timing=True)
-                self._copy(stream, host, self.placement.buffer, runs, to_host=True)
+                copy_runs(self._runtime, stream, host, self.placement.buffer, runs, to_host=True)
                 return start, _record(stream, timing=True), None
         ids = self.ids.take(block_ids)
         ring, kernels, dma = self._rings[STORE], self._kernels[STORE], self._dma[STORE]
@@ -171,7 +171,7 @@ class CudaCopier:
                     block_bytes,
                     host_boundary,
                 )
-                self._copy(dma, host, ring.rows[k].view(-1), runs, to_host=True)
+                copy_runs(self._runtime, dma, host, ring.rows[k].view(-1), runs, to_host=True)
                 ring.released[k] = _record(dma, timing=True)
         return start, ring.released[k], ids
 
@@ -196,7 +196,7 @@ class CudaCopier:
             runs = plan_runs(offsets, [s * block_bytes for s in slots], block_bytes, host_boundary)
             with torch.cuda.stream(dma):
                 start = _record(dma, timing=True)
-                self._copy(dma, host, self.placement.buffer, runs, to_host=False)
+                copy_runs(self._runtime, dma, host, self.placement.buffer, runs, to_host=False)
                 return start, _record(dma, timing=True), None
         ids = self.ids.take(block_ids)
         ring, kernels = self._rings[LOAD], self._kernels[LOAD]
@@ -213,31 +213,13 @@ class CudaCopier:
                     block_bytes,
                     host_boundary,
                 )
-                self._copy(dma, host, ring.rows[k].view(-1), runs, to_host=False)
+                copy_runs(self._runtime, dma, host, ring.rows[k].view(-1), runs, to_host=False)
                 landed = _record(dma)
             with torch.cuda.stream(kernels):
                 kernels.wait_event(landed)
                 self.placement.scatter(ring.rows[k][:m], dev_ids[chunk.start : chunk.stop])
                 ring.released[k] = _record(kernels, timing=True)
         return start, ring.released[k], ids
-
-    def _copy(
-        self,
-        stream: torch.cuda.Stream,
-        host: torch.Tensor,
-        device: torch.Tensor,
-        runs: Sequence[Run],
-        to_host: bool,
-    ) -> None:
-        """Queues ``runs`` on ``stream``; through torch where the runtime library is not found."""
-        if self._runtime is not None:
-            copy_runs(self._runtime, stream, host, device, runs, to_host)
-            return
-        with torch.cuda.stream(stream):
-            for run in runs:
-                h = host[run.host : run.host + run.nbytes]
-                d = device[run.device : run.device + run.nbytes]
-                (h if to_host else d).copy_(d if to_host else h, non_blocking=True)
 
 
 def _record(stream: torch.cuda.Stream, timing: bool = False) -> torch.cuda.Event:

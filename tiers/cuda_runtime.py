@@ -55,7 +55,7 @@ def runtime() -> ctypes.CDLL | None:
 
 
 def copy_runs(
-    lib: ctypes.CDLL,
+    lib: ctypes.CDLL | None,
     stream: torch.cuda.Stream,
     host: torch.Tensor,
     device: torch.Tensor,
@@ -63,8 +63,16 @@ def copy_runs(
     to_host: bool,
 ) -> None:
     """Queues one ``cudaMemcpyAsync`` per run on ``stream`` between flat ``host`` and
-    ``device`` buffers; raises ``CudaError`` (error cleared) or ``IndexError`` (nothing queued
-    for that run) instead of touching bytes outside either buffer."""
+    ``device`` buffers, through torch where no runtime library ``lib`` was found; raises
+    ``CudaError`` (error cleared) or ``IndexError`` (nothing queued for that run) instead of
+    touching bytes outside either buffer."""
+    if lib is None:
+        with torch.cuda.stream(stream):
+            for run in runs:
+                h = host[run.host : run.host + run.nbytes]
+                d = device[run.device : run.device + run.nbytes]
+                (h if to_host else d).copy_(d if to_host else h, non_blocking=True)
+        return
     host_ptr, host_end = host.data_ptr(), host.numel()
     dev_ptr, dev_end = device.data_ptr(), device.numel()
     handle, memcpy = stream.cuda_stream, lib.cudaMemcpyAsync
