@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kvtier.tiers.host_copy import copy_rows
+from kvtier.tiers.gpu.cpu_copy import copy_rows
 
 GB = 1e9
 

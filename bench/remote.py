@@ -31,16 +31,16 @@ import numpy as np
 
 from kvtier.bench.limits import GB
 from kvtier.bench.redis_server import RedisProcess
-from kvtier.tiers.remote import RemoteSettings, RemoteTier
-from kvtier.tiers.remote_backend import RemoteBackend
-from kvtier.tiers.remote_config import RemoteConfig
-from kvtier.tiers.remote_format import (
+from kvtier.tiers.remote.backend import RemoteBackend
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.format import (
     MAX_META_BYTES,
     block_key,
     check_prefix,
     key_prefix,
     value_size,
 )
+from kvtier.tiers.remote.tier import RemoteSettings, RemoteTier
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,12 @@ import time
 import torch
 
 from kvtier.bench.limits import GB, best_seconds, drop_page_cache, memcpy_gbps, raw_disk_gbps
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.gpu.cpu_copy import copy_rows
+from kvtier.tiers.gpu.pinned import allocate_host
 from kvtier.tiers.hashing import Namespace, hash_prompt
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.host_copy import copy_rows
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
-from kvtier.tiers.pinned import allocate_host
 
 log = logging.getLogger(__name__)
 

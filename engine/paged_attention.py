@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.engine.model import AttendFn
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.gpu.placement import KVPlacement
 
 
 def causal_attention(

@@ -14,13 +14,13 @@ import sys
 
 COMMANDS = {
     "serve": ("kvtier.service.serve", "run the daemon (embedded defaults need no flags)"),
-    "stats": ("kvtier.service.stats_cli", "hits per tier from a running daemon"),
+    "stats": ("kvtier.service.stats.cli", "hits per tier from a running daemon"),
 }
 BENCHMARKS = {
     "tiers": ("kvtier.bench.tiers", "host and disk tier throughput beside memcpy and raw disk"),
-    "daemon": ("kvtier.bench.daemon", "daemon lookup latency and arena copy rates"),
-    "replay": ("kvtier.bench.replay", "replay a request trace through the tier stack"),
-    "gpu": ("kvtier.bench.gpu", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
+    "daemon": ("kvtier.bench.daemon.command", "daemon lookup latency and arena copy rates"),
+    "replay": ("kvtier.bench.replay.command", "replay a request trace through the tier stack"),
+    "gpu": ("kvtier.bench.gpu.command", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
     "remote": ("kvtier.bench.remote", "remote tier put/get beside raw pipelined SET/GET"),
 }
 

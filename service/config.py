@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Annotated
 
 from kvtier.proto import contract
-from kvtier.tiers.remote import RemoteSettings
-from kvtier.tiers.remote_config import PASSWORD_ENV, RemoteConfig
+from kvtier.tiers.remote.config import PASSWORD_ENV, RemoteConfig
+from kvtier.tiers.remote.tier import RemoteSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -103,7 +103,7 @@ class DaemonConfig:
     remote: str | None = None
     """The store shared by many nodes below the disk tier (off by default): ``redis://HOST:PORT``,
     ``rediss://…``, a cluster seed list ``HOST:PORT,HOST:PORT`` or ``mooncake://MASTER``
-    (``kvtier.tiers.remote_config``)."""
+    (``kvtier.tiers.remote.config``)."""
     remote_password_file: Path | None = None
     """The store's password; without it ``$KVTIER_REMOTE_PASSWORD``. Never in the URL."""
     remote_ca_file: Path | None = None

@@ -20,9 +20,9 @@ from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
 from kvtier.service.layout_store import LayoutStore
 from kvtier.service.liveness import process_gone
+from kvtier.service.rpc.wire import check_hash, invalid
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
-from kvtier.service.wire import check_hash, invalid
 from kvtier.tiers.lower import MAX_META_BYTES, NO_SPACE, LowerHits
 
 log = logging.getLogger(__name__)

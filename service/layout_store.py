@@ -22,12 +22,12 @@ import numpy as np
 from kvtier.service.arena import Arena
 from kvtier.service.events import EventHub
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.hashing import HASH_VERSION
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.lower import LowerHits
-from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.remote_config import RemoteConfig
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.tier import RemoteTier
 
 log = logging.getLogger(__name__)
 

@@ -34,16 +34,10 @@ from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.service import config as config_mod
 from kvtier.service.arena import ArenaError
-from kvtier.service.auth import TokenInterceptor
 from kvtier.service.config import DEFAULT_STATS_PORT, ConfigError, DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
-from kvtier.service.handlers import add_servicer
-from kvtier.service.metrics import Metrics
-from kvtier.service.servicer import KvTierServicer
-from kvtier.service.stats_http import StatsServer
-from kvtier.service.store import BlockStore
-from kvtier.service.unix_relay import (
+from kvtier.service.relay.unix import (
     RelayProcess,
     clear_private_dir,
     client_pid,
@@ -51,6 +45,12 @@ from kvtier.service.unix_relay import (
     private_dir_of,
     upstream_of,
 )
+from kvtier.service.rpc.auth import TokenInterceptor
+from kvtier.service.rpc.handlers import add_servicer
+from kvtier.service.rpc.servicer import KvTierServicer
+from kvtier.service.stats.http import StatsServer
+from kvtier.service.stats.metrics import Metrics
+from kvtier.service.store import BlockStore
 
 log = logging.getLogger(__name__)
 

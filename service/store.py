@@ -22,7 +22,7 @@ from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.events import EventHub
 from kvtier.service.layout_store import LayoutStore
-from kvtier.tiers.disk_dir import TierDirectory
+from kvtier.tiers.disk.directory import TierDirectory
 
 log = logging.getLogger(__name__)
 

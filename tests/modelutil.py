@@ -42,8 +42,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-import kvtier.connector.vllm as connector_module
-from kvtier.connector.vllm_metadata import KVTierMetadata
+import kvtier.connector.vllm.connector as connector_module
+from kvtier.connector.vllm.metadata import KVTierMetadata
 
 from daemonutil import Daemon
 

@@ -10,7 +10,7 @@ import numpy as np
 from redis.crc import key_slot
 
 from kvtier.bench.redis_server import RedisProcess
-from kvtier.tiers.remote import RemoteSettings
+from kvtier.tiers.remote.tier import RemoteSettings
 
 from daemonutil import wait_until
 

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from kvtier.tiers.host import LowerHits
+from kvtier.tiers.host.tier import LowerHits
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, store
 

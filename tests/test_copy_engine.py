@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.tiers.copy_engine import CopyEngine
-from kvtier.tiers.copy_plan import Run, check_pairs, chunk_ranges, plan_runs
-from kvtier.tiers.cuda_copy import PinnedIds, StagingRing
-from kvtier.tiers.cuda_runtime import MEMCPY_DEFAULT, copy_runs
-from kvtier.tiers.host_copy import copy_rows
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.cpu_copy import copy_rows
+from kvtier.tiers.gpu.cuda_copy import PinnedIds, StagingRing
+from kvtier.tiers.gpu.placement import KVPlacement
+from kvtier.tiers.gpu.plan import Run, check_pairs, chunk_ranges, plan_runs
+from kvtier.tiers.gpu.runtime import MEMCPY_DEFAULT, copy_runs
+from kvtier.tiers.gpu.transfer import CompletionQueue, Transfer
 from kvtier.tiers.layout import KVLayout
-from kvtier.tiers.transfer import CompletionQueue, Transfer
 
 LAYOUT = KVLayout(2, 2, 8, 4, torch.float16)
 LLAMA_8B = KVLayout(32, 8, 128, 16, torch.bfloat16)

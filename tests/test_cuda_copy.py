@@ -19,13 +19,13 @@ import uuid
 import pytest
 import torch
 
-from kvtier.connector.client import DaemonClient
-from kvtier.connector.vllm_layout import kv_placement
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.vllm.layout import kv_placement
 from kvtier.service.arena import SHM_DIR
-from kvtier.tiers import cuda_copy
-from kvtier.tiers.copy_engine import CopyEngine
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.gpu import cuda_copy
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.placement import KVPlacement
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 
 from daemonutil import Daemon
@@ -176,9 +176,9 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
     script = textwrap.dedent(
         f"""
         import threading, torch
-        from kvtier.connector.arena import ArenaView
-        from kvtier.tiers.copy_engine import CopyEngine
-        from kvtier.tiers.kv_placement import KVPlacement
+        from kvtier.connector.client.arena import ArenaView
+        from kvtier.tiers.gpu.copy_engine import CopyEngine
+        from kvtier.tiers.gpu.placement import KVPlacement
         from kvtier.tiers.layout import KVLayout
         layout = KVLayout(2, 2, 64, 16, torch.float16)
         path = {str(path)!r}
@@ -209,14 +209,14 @@ def test_a_slab_that_cannot_be_locked_is_reported_and_clears_its_error(tmp_path,
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     slab = torch.frombuffer(mapping, dtype=torch.uint8).view(4, LAYOUT.block_bytes)
-    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.pinned"):
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.gpu.pinned"):
         engine = CopyEngine(filled("BLHNC"), slab)
     assert not engine.host_pinned
     assert any("pageable" in r.message for r in caplog.records)
     torch.ones(16, device="cuda").mul_(2)  # the failed call left no error for this launch
     torch.cuda.synchronize()
     caplog.clear()
-    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.pinned"):
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.gpu.pinned"):
         for _ in range(3):  # loads read the slab, so a read-only mapping serves them
             engine.load([0, 1], [2, 3]).wait()
     assert not caplog.records  # the mapping that could not be locked is not tried per copy

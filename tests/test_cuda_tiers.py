@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.tiers.copy_engine import CopyEngine
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.pinned import is_registered
+from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.hashing import Namespace, hash_prompt
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
-from kvtier.tiers.pinned import is_registered
 from kvtier.tiers.stack import build_local_stack
 
 pytestmark = pytest.mark.cuda

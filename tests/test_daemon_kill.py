@@ -17,7 +17,7 @@ HOST_SLOTS = 32
 
 def hold(target: str, mode: str, hashes: list[bytes], ready) -> None:
     """A client that stops half-way through a store or a load and waits to be killed."""
-    from kvtier.connector.client import DaemonClient
+    from kvtier.connector.client.daemon_client import DaemonClient
 
     from daemonutil import SIGNATURE
 
@@ -84,7 +84,7 @@ def write_load(target: str, index: int, log_path: str, go, idle) -> None:
     A batch the full host tier has no room for (every slot is being written to disk) is
     dropped and tried again with new hashes, as an engine would go on without storing.
     """
-    from kvtier.connector.client import DaemonClient
+    from kvtier.connector.client.daemon_client import DaemonClient
 
     from daemonutil import SIGNATURE
 

@@ -24,7 +24,7 @@ from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
 from kvtier.service.store import BlockStore
-from kvtier.tiers import disk_writer
+from kvtier.tiers.disk import writer as disk_writer
 from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon as DaemonProcess

@@ -15,7 +15,7 @@ import pytest
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.service.unix_relay import client_pid, private_dir_of
+from kvtier.service.relay.unix import client_pid, private_dir_of
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, open_session, wait_until
 
@@ -122,7 +122,7 @@ def relay_pids(daemon: Daemon) -> list[int]:
                     args = f.read().split(b"\0")
             except OSError:
                 continue
-            if b"kvtier.service.unix_relay" in args and private.encode() in args:
+            if b"kvtier.service.relay.unix" in args and private.encode() in args:
                 pids.append(int(entry))
     return pids
 

@@ -17,7 +17,7 @@ from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
 from kvtier.service.liveness import process_gone
 from kvtier.service.store import BlockStore
-from kvtier.tiers.host import ALREADY_STORED
+from kvtier.tiers.host.tier import ALREADY_STORED
 
 BLOCK = 4096
 

@@ -47,7 +47,7 @@ def daemon():
 
 def worker(target: str, index: int, results) -> None:
     """One engine process: stores its own and some shared blocks, reads them all back."""
-    from kvtier.connector.client import DaemonClient
+    from kvtier.connector.client.daemon_client import DaemonClient
 
     from daemonutil import SIGNATURE
 
@@ -220,7 +220,7 @@ def test_stats_command_prints_the_table(daemon):
     cmd = [
         sys.executable,
         "-c",
-        "import sys; from kvtier.service import stats_cli; "
+        "import sys; from kvtier.service.stats import cli as stats_cli; "
         "import argparse; p = argparse.ArgumentParser(); stats_cli.add_arguments(p); "
         "sys.exit(stats_cli.run(p.parse_args(sys.argv[1:])))",
         "--target",

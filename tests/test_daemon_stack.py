@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.connector.client import DaemonClient
+from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.stack import build_stack

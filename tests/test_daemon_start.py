@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connector.client import DaemonClient
+from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.service import config
 from kvtier.service.config import ConfigError, DaemonConfig
@@ -113,7 +113,7 @@ def save_namespace(d: Daemon) -> None:
 
 _HOLD = """
 import sys
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 t = DiskTier(sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), 64 * int(sys.argv[3]))
 print("open", flush=True)
 sys.stdin.read()
@@ -207,7 +207,7 @@ def test_a_client_does_not_connect_through_a_directory_others_can_write(caplog):
     try:
         os.chmod(daemon.root, 0o777)
         client = DaemonClient(SIGNATURE, BLOCK_BYTES, block_tokens=16, target=daemon.target)
-        with caplog.at_level(logging.ERROR, logger="kvtier.connector.client_session"):
+        with caplog.at_level(logging.ERROR, logger="kvtier.connector.client.session"):
             assert not client.wait_connected(1.0)
         assert "mode 0777" in caplog.text
         os.chmod(daemon.root, 0o700)

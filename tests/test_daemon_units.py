@@ -5,10 +5,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvtier.connector.client import DaemonClient
+from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.service import config
 from kvtier.service.arena import Arena, ArenaError
-from kvtier.service.calls import log_source
+from kvtier.service.rpc.calls import log_source
+from kvtier.service.rpc.wire import RequestError, check_slots, split_hashes
 from kvtier.service.sessions import (
     ACQUIRE,
     RESERVE,
@@ -18,8 +19,7 @@ from kvtier.service.sessions import (
     SessionLimit,
     SessionTable,
 )
-from kvtier.service.wire import RequestError, check_slots, split_hashes
-from kvtier.tiers.host import NO_SPACE
+from kvtier.tiers.host.tier import NO_SPACE
 
 
 class FakeClock:

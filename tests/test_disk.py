@@ -21,12 +21,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.tiers import disk_slots
-from kvtier.tiers.disk import DATA_FILE, DiskTier
-from kvtier.tiers.disk_commit import BatchCommitter
-from kvtier.tiers.disk_dir import DirectoryInUse
-from kvtier.tiers.disk_index import parse
-from kvtier.tiers.disk_writer import DiskWriter
+from kvtier.tiers.disk import slots as disk_slots
+from kvtier.tiers.disk.commit import BatchCommitter
+from kvtier.tiers.disk.directory import DirectoryInUse
+from kvtier.tiers.disk.index import parse
+from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
+from kvtier.tiers.disk.writer import DiskWriter
 
 BLOCK = 16 * 1024 + 8  # not a multiple of the page size on purpose
 SIG = xxhash.xxh3_128_digest(b"layout-a")
@@ -319,12 +319,12 @@ def test_second_open_in_one_process_is_refused(tmp_path):
 _CHILD = """
 import os, signal, sys
 import numpy as np, xxhash
-from kvtier.tiers import disk_slots
-from kvtier.tiers.disk import DATA_FILE, DiskTier
-from kvtier.tiers.disk_commit import BatchCommitter
-from kvtier.tiers.disk_dir import DirectoryInUse
-from kvtier.tiers.disk_index import parse
-from kvtier.tiers.disk_writer import DiskWriter
+from kvtier.tiers.disk import slots as disk_slots
+from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
+from kvtier.tiers.disk.commit import BatchCommitter
+from kvtier.tiers.disk.directory import DirectoryInUse
+from kvtier.tiers.disk.index import parse
+from kvtier.tiers.disk.writer import DiskWriter
 sig, size, count = bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t = DiskTier(sys.argv[1], sig, size, 64 * size)
 for i in range(count):
@@ -575,7 +575,7 @@ def used_slots(t: DiskTier) -> set[int]:
 _CRASH_CHILD = """
 import os, sys
 import numpy as np, xxhash
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 sig, size = bytes.fromhex(sys.argv[2]), int(sys.argv[3])
 t = DiskTier(sys.argv[1], sig, size, 16 * size)
 for i in range(1_000_000):

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvtier.tiers import disk_dir
-from kvtier.tiers.disk import DATA_FILE, DiskTier
-from kvtier.tiers.disk_dir import CLEAN_FILE, LOCK_FILE, DirectoryInUse
-from kvtier.tiers.disk_index import BlockIndex
+from kvtier.tiers.disk import directory as disk_dir
+from kvtier.tiers.disk.directory import CLEAN_FILE, LOCK_FILE, DirectoryInUse
+from kvtier.tiers.disk.index import BlockIndex
+from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 
 BLOCK = 4096
 COUNT = 600
@@ -72,7 +72,7 @@ import io, json, logging, sys
 import numpy as np, xxhash
 log = io.StringIO()
 logging.basicConfig(stream=log, level=logging.WARNING, format="%(message)s")
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 path, sig, size, count = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 key = lambda i: xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 block = lambda i: np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
@@ -294,7 +294,7 @@ def test_walk_runs_after_a_crash_not_after_a_clean_close(copy, monkeypatch):
 
 _HOLD = """
 import sys
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 t = DiskTier(sys.argv[1], bytes(16), 4096, 64 * 4096, sync=False)
 print("open", flush=True)
 sys.stdin.read()

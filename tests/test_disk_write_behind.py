@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvtier.tiers import disk_slots
-from kvtier.tiers.disk import MAX_META_BYTES, DiskTier
-from kvtier.tiers.disk_index import _ENTRY, FORMAT_VERSION
+from kvtier.tiers.disk import slots as disk_slots
+from kvtier.tiers.disk.index import _ENTRY, FORMAT_VERSION
+from kvtier.tiers.disk.tier import MAX_META_BYTES, DiskTier
 
 BLOCK = 16 * 1024 + 8  # not whole pages: always written through a bounce buffer
 ALIGNED = 4 * 4096  # whole pages: written straight from the caller's buffer
@@ -344,7 +344,7 @@ def test_on_done_is_held_while_a_reader_copies_the_borrowed_bytes(tmp_path):
 _DURABLE = """
 import os, signal, sys, threading
 import numpy as np, xxhash
-from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.tier import DiskTier
 sig, size, count = bytes.fromhex(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 t = DiskTier(sys.argv[1], sig, size, 64 * size, flush_interval_s=0.01)
 told = threading.Semaphore(0)

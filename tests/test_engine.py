@@ -12,7 +12,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import Decoder
 from kvtier.engine.paged_attention import PagedKV, causal_attention
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.stack import build_stack
 
 BLOCK = 16

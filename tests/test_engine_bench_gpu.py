@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvtier.bench import gpu
+from kvtier.bench.gpu import command as gpu
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -5,8 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import ALREADY_STORED, NO_SPACE, HostTier
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.host.tier import ALREADY_STORED, NO_SPACE, HostTier
 
 BLOCK = 64
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.tiers.copy_engine import CopyEngine
-from kvtier.tiers.kv_placement import ORDERS, KVPlacement
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.placement import ORDERS, KVPlacement
 from kvtier.tiers.layout import KVLayout, dtype_from_name
 
 LAYOUTS = {

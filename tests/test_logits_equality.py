@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtier.connector.client import DaemonClient
+from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine, SequenceState
 from kvtier.engine.model import Decoder

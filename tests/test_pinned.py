@@ -7,9 +7,9 @@ import threading
 
 import torch
 
-from kvtier.connector.arena import ArenaView
-from kvtier.tiers import pinned
-from kvtier.tiers.pinned import (
+from kvtier.connector.client.arena import ArenaView
+from kvtier.tiers.gpu import pinned
+from kvtier.tiers.gpu.pinned import (
     MAX_REGISTER_BYTES,
     PAGE_BYTES,
     allocate_host,

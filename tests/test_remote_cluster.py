@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from kvtier.tiers.remote import RemoteSettings, RemoteTier
-from kvtier.tiers.remote_config import RemoteConfig
-from kvtier.tiers.remote_format import block_key, check_prefix, key_prefix
-from kvtier.tiers.remote_redis import RedisClusterBackend, RedisOptions
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.format import block_key, check_prefix, key_prefix
+from kvtier.tiers.remote.redis import RedisClusterBackend, RedisOptions
+from kvtier.tiers.remote.tier import RemoteSettings, RemoteTier
 
 from redisutil import (
     BLOCK_BYTES,

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.bench.redis_server import RedisProcess, free_port
 from kvtier.service import config as daemon_config
-from kvtier.tiers.remote_config import PASSWORD_ENV, RemoteConfig, parse_url
+from kvtier.tiers.remote.config import PASSWORD_ENV, RemoteConfig, parse_url
 
 from redisutil import BLOCK_BYTES, FAST, SIGNATURE, assert_exact, block_hash, fetch, store
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 
 from kvtier.bench.redis_server import RedisProcess, free_port
-from kvtier.tiers.remote import RemoteTier
-from kvtier.tiers.remote_format import key_prefix
-from kvtier.tiers.remote_redis import RedisStandalone
+from kvtier.tiers.remote.format import key_prefix
+from kvtier.tiers.remote.redis import RedisStandalone
+from kvtier.tiers.remote.tier import RemoteTier
 
 from redisutil import (
     BLOCK_BYTES,

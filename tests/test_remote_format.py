@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.tiers.remote_format import (
+from kvtier.tiers.remote.format import (
     HEADER_BYTES,
     block_key,
     check_prefix,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.redis_server import free_port
-from kvtier.tiers.remote_config import RemoteConfig
-from kvtier.tiers.remote_format import block_key, check_prefix, key_prefix
+from kvtier.tiers.remote.config import RemoteConfig
+from kvtier.tiers.remote.format import block_key, check_prefix, key_prefix
 
 from redisutil import (
     BLOCK_BYTES,

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvtier.bench.redis_server import RedisProcess
-from kvtier.tiers.remote import RemoteSettings, RemoteTier
-from kvtier.tiers.remote_format import block_key, check_prefix, key_prefix
-from kvtier.tiers.remote_redis import _PACKER, Parts, RedisStandalone
+from kvtier.tiers.remote.format import block_key, check_prefix, key_prefix
+from kvtier.tiers.remote.redis import _PACKER, Parts, RedisStandalone
+from kvtier.tiers.remote.tier import RemoteSettings, RemoteTier
 
 from redisutil import (
     BLOCK_BYTES,

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from kvtier.bench import replay as replay_cmd
-from kvtier.bench.replay_sim import (
+from kvtier.bench.replay import command as replay_cmd
+from kvtier.bench.replay.sim import (
     REPLAY_LAYOUT,
     Capacity,
     oracle_saved_tokens,
     replay,
 )
-from kvtier.bench.trace import TraceHasher, TraceRequest, load_trace, write_trace
-from kvtier.bench.workloads import WORKLOADS
+from kvtier.bench.replay.trace import TraceHasher, TraceRequest, load_trace, write_trace
+from kvtier.bench.replay.workloads import WORKLOADS
 from kvtier.tiers.hashing import Namespace
 
 BS = 512

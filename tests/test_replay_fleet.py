@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from kvtier.bench import replay as replay_cmd
 from kvtier.bench.redis_server import RedisProcess
-from kvtier.bench.replay_fleet import route, run_fleet
-from kvtier.bench.replay_sim import REPLAY_LAYOUT, Capacity, Workload, oracle_saved_tokens
-from kvtier.bench.trace import TraceHasher, TraceRequest, write_trace
-from kvtier.bench.workloads import WORKLOADS
+from kvtier.bench.replay import command as replay_cmd
+from kvtier.bench.replay.fleet import route, run_fleet
+from kvtier.bench.replay.sim import REPLAY_LAYOUT, Capacity, Workload, oracle_saved_tokens
+from kvtier.bench.replay.trace import TraceHasher, TraceRequest, write_trace
+from kvtier.bench.replay.workloads import WORKLOADS
 from kvtier.tiers.hashing import Namespace
 
 BS = 512

@@ -50,12 +50,12 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvtier.connector.vllm import KVTierConnector
-from kvtier.connector.vllm_config import KVTierConfig
-from kvtier.connector.vllm_groups import groups_from_kv_cache_config
-from kvtier.connector.vllm_layout import kv_placement
-from kvtier.connector.vllm_metadata import KVTierMetadata
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.connector.vllm.config import KVTierConfig
+from kvtier.connector.vllm.connector import KVTierConnector
+from kvtier.connector.vllm.groups import groups_from_kv_cache_config
+from kvtier.connector.vllm.layout import kv_placement
+from kvtier.connector.vllm.metadata import KVTierMetadata
+from kvtier.tiers.gpu.placement import KVPlacement
 
 from daemonutil import Daemon
 

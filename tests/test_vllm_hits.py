@@ -33,8 +33,8 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvtier.connector.vllm_groups import alignment_tokens, groups_from_kv_cache_config
-from kvtier.connector.vllm_hits import Chain, HitSearch
+from kvtier.connector.vllm.groups import alignment_tokens, groups_from_kv_cache_config
+from kvtier.connector.vllm.hits import Chain, HitSearch
 from kvtier.tiers.lower import LowerHits
 
 pytestmark = pytest.mark.vllm

@@ -20,9 +20,9 @@ pytest.importorskip("vllm")
 import test_vllm_connector as harness
 from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
-from kvtier.connector.vllm_loads import STARVED_S, StreamedLoad
-from kvtier.connector.vllm_metadata import LoadSpec
-from kvtier.tiers.transfer import Transfer
+from kvtier.connector.vllm.loads import STARVED_S, StreamedLoad
+from kvtier.connector.vllm.metadata import LoadSpec
+from kvtier.tiers.gpu.transfer import Transfer
 
 from daemonutil import Daemon, wait_until
 

@@ -38,10 +38,10 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-import kvtier.connector.vllm as connector_module
-from kvtier.connector.vllm import KVTierConnector
-from kvtier.connector.vllm_groups import groups_from_kv_cache_config
-from kvtier.connector.vllm_metadata import KVTierMetadata, pack, unpack
+import kvtier.connector.vllm.connector as connector_module
+from kvtier.connector.vllm.connector import KVTierConnector
+from kvtier.connector.vllm.groups import groups_from_kv_cache_config
+from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
 
 from daemonutil import Daemon
 

@@ -45,11 +45,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-import kvtier.connector.vllm as connector_module
-from kvtier.connector.client import DaemonClient
-from kvtier.connector.vllm_metadata import KVTierMetadata, pack, unpack
-from kvtier.connector.vllm_request import RequestHashes
-from kvtier.connector.vllm_stats import KVTierStats
+import kvtier.connector.vllm.connector as connector_module
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
+from kvtier.connector.vllm.request import RequestHashes
+from kvtier.connector.vllm.stats import KVTierStats
 from kvtier.tiers.hashing import Namespace
 
 from daemonutil import Daemon, wait_until

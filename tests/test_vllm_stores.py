@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvtier.connector.vllm_stores import StoreQueue
+from kvtier.connector.vllm.stores import StoreQueue
 
 
 class SlowDaemon:

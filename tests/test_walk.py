@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.stack import build_stack
 
 from tierutil import run_request

@@ -12,7 +12,7 @@ format named by ``packing``.
 
 A block of this order is one contiguous run in a ``BLHNC`` KV buffer and moves as one DMA.
 Where the engine's tensors sit in memory (that order or another) is ``KVPlacement``'s business
-(``kvtier.tiers.kv_placement``). ``signature`` names everything above, so bytes stored for one
+(``kvtier.tiers.gpu.placement``). ``signature`` names everything above, so bytes stored for one
 layout can never be loaded into another. A model with several KV cache groups has one layout
 per group.
 """

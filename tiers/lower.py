@@ -62,7 +62,7 @@ class LowerTier(Protocol):
 
 
 class DiskTierLike(Protocol):
-    """The disk tier as the host tier uses it (``kvtier.tiers.disk.DiskTier``)."""
+    """The disk tier as the host tier uses it (``kvtier.tiers.disk.tier.DiskTier``)."""
 
     block_bytes: int
 
@@ -85,7 +85,7 @@ class DiskTierLike(Protocol):
 
 
 class RemoteTierLike(Protocol):
-    """The remote tier as the host tier uses it (``kvtier.tiers.remote.RemoteTier``)."""
+    """The remote tier as the host tier uses it (``kvtier.tiers.remote.tier.RemoteTier``)."""
 
     block_bytes: int
 

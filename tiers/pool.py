@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.free_queue import FreeBlockQueue, KVBlock
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host import ALREADY_STORED
+from kvtier.tiers.host.tier import ALREADY_STORED
 from kvtier.tiers.lower import LowerTier
-from kvtier.tiers.transfer import Transfer
 
 
 class BlockSpiller:

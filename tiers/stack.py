@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.tiers.copy_engine import CopyEngine
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import HostTier
-from kvtier.tiers.kv_placement import KVPlacement
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.placement import KVPlacement
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.lower import LowerTier
 from kvtier.tiers.pool import BlockSpiller, GpuBlockPool

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.tiers.copy_engine import CopyEngine
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.free_queue import KVBlock
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host import LowerHits
+from kvtier.tiers.host.tier import LowerHits
 from kvtier.tiers.lower import LowerTier
 from kvtier.tiers.pool import GpuBlockPool
-from kvtier.tiers.transfer import Transfer
 
 
 @dataclass(slots=True)

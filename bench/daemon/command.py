@@ -1,0 +1,219 @@
+"""``kvtier bench daemon``: lookup latency of a live daemon and copy rates through its arena.
+
+Starts a daemon (a ``kvtier serve`` subprocess on private paths, host tier only, so the figures
+are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
+
+* N client processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes that all hit
+  (the longest walk): p50/p99 latency and aggregate lookups per second, beside
+  ``rpc_floor_p50_ms``: the daemon's bare health Check, the least any gRPC call costs here;
+* one client times store (Reserve → copy into the arena → Commit) and load (Acquire → copy out
+  → Release) of batches of blocks, beside ``memcpy_gbps``: the same tensor copy between two
+  private buffers measured in the same run. ``store_ratio``/``load_ratio`` divide by it;
+* a second daemon WITH its disk tier times a burst of stores (``store_commit_gbps``, as a
+  ratio to memcpy), pipelined as the connector's worker stores (the next Reserve and the last
+  Commit on helper threads while a batch is copied): commits return once the blocks are
+  readable in the host tier and the disk writes happen behind them, so the host tier should
+  absorb a burst at memcpy speed. It then times the disk draining that burst
+  (``disk_drain_gbps``) beside ``disk_raw_write_gbps``, sequential O_DIRECT writes to the
+  same file system measured in the same run. Beside the burst's ratio to memcpy,
+  ``memcpy_disk_busy_gbps`` is the same memcpy while a thread keeps the disk writing
+  (``disk_writing``): on a small machine the disk's traffic slows every copy, and this is
+  the ceiling for a store made while the disk drains;
+* ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
+  with full-size lookups (heavy calls run on worker threads, so they must not stall it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.daemon.probes import (
+    SIGNATURE,
+    copy_rates,
+    hashes_for,
+    lookup_worker,
+    row_copy_gbps,
+    rpc_floor_ms,
+    small_lookup_p99_ms,
+    store_commit_rates,
+)
+from kvtier.bench.limits import disk_writing, raw_disk_gbps
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.proto import contract
+
+AIMS = {
+    "lookup_p50_ms": 0.5,
+    "lookup_p99_ms": 2.0,
+    "lookups_per_s": 5000,
+    "small_lookup_p99_ms": 5.0,
+    "store_ratio": 0.8,
+    "load_ratio": 0.8,
+    "store_commit_ratio": 0.8,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--clients", type=int, default=2, help="lookup client processes")
+    parser.add_argument("--hashes", type=int, default=1000, help="hashes per lookup")
+    parser.add_argument("--lookups", type=int, default=3000, help="lookups per client")
+    parser.add_argument("--block-kib", type=int, default=2048, help="block size in KiB")
+    parser.add_argument("--batch", type=int, default=32, help="blocks per store/load batch")
+    parser.add_argument("--rounds", type=int, default=8, help="timed store/load batches")
+
+
+def start_daemon(root: Path, host_bytes: int, disk_bytes: int) -> tuple[subprocess.Popen, str]:
+    """A ``kvtier serve`` subprocess on private paths under ``root``; returns it and its target."""
+    root.mkdir(parents=True, exist_ok=True)
+    socket = root / "d.sock"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier.service.serve",
+        "--name",
+        f"bench-{uuid.uuid4().hex[:8]}",
+        "--socket",
+        str(socket),
+        "--data-dir",
+        str(root / "data"),
+        "--host-bytes",
+        str(host_bytes),
+        "--disk-bytes",
+        str(disk_bytes),
+        "--stats-port",
+        "-1",
+    ]
+    with open(root / "daemon.log", "wb") as log:
+        daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return daemon, contract.unix_target(socket)
+
+
+def connect(target: str, block_bytes: int, root: Path) -> DaemonClient:
+    client = DaemonClient(
+        SIGNATURE, block_bytes, block_tokens=16, target=target, timeout_s=30, client_name="bench"
+    )
+    if not client.wait_connected(60):
+        raise RuntimeError(f"daemon did not come up: {(root / 'daemon.log').read_text()}")
+    return client
+
+
+def lookup_figures(target: str, block_bytes: int, args: argparse.Namespace) -> dict[str, float]:
+    """Lookups of ``args.hashes`` held blocks from ``args.clients`` processes at once."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=lookup_worker, args=(target, block_bytes, args.hashes, args.lookups, out)
+        )
+        for _ in range(args.clients)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        raise RuntimeError(f"lookup clients failed: {failed}")
+    for p in procs:
+        p.join()
+    times = sorted(t for r in results for t in r)
+    # per-client busy time, not the wall time, which includes process start-up
+    busy = max(sum(r) for r in results)
+    return {
+        "lookup_p50_ms": statistics.median(times) * 1e3,
+        "lookup_p99_ms": times[int(0.99 * (len(times) - 1))] * 1e3,
+        "lookups_per_s": len(times) / busy,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    # One thread per copy, like a copy stream: torch's intra-op pool makes 0.5 MiB copies
+    # up to 100x slower on a busy 2-core machine (thread wake-ups, not bandwidth).
+    torch.set_num_threads(1)
+    block_bytes = args.block_kib << 10
+    slots = args.hashes + 2 * args.batch * args.rounds
+    root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp"))
+    started = time.perf_counter()
+    try:
+        daemon, target = start_daemon(root / "host-only", slots * block_bytes, 0)
+        try:
+            client = connect(target, block_bytes, root / "host-only")
+            rates = copy_rates(client, args.batch, args.rounds)
+            floor_ms = rpc_floor_ms(target)
+            hashes = hashes_for(args.hashes)
+            for i in range(0, len(hashes), args.batch):
+                chunk = hashes[i : i + args.batch]
+                if not client.commit(client.reserve(chunk)):
+                    raise RuntimeError("could not store the lookup blocks")
+            lookups = lookup_figures(target, block_bytes, args)
+            small_p99 = small_lookup_p99_ms(target, block_bytes, contract.MAX_HASHES, 2000)
+            client.close()
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+        burst = 2 * args.batch * args.rounds
+        daemon, target = start_daemon(root / "disk", burst * block_bytes, 4 * burst * block_bytes)
+        try:
+            client = connect(target, block_bytes, root / "disk")
+            behind = store_commit_rates(client, args.batch, args.rounds)
+            client.close()
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+        raw_write, _, how = raw_disk_gbps(str(root), burst * block_bytes)
+        src = torch.randint(0, 256, (burst // 2, block_bytes), dtype=torch.uint8)
+        dst = src.clone()
+        with disk_writing(str(root)):
+            time.sleep(0.1)  # the writes under way
+            # the median of several: one short copy may fall between two of the writes
+            busy_memcpy = statistics.median(row_copy_gbps(dst, src) for _ in range(7))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    figures = {
+        **lookups,
+        "rpc_floor_p50_ms": floor_ms,
+        "lookup_vs_floor": lookups["lookup_p50_ms"] / floor_ms,
+        "small_lookup_p99_ms": small_p99,
+        **rates,
+        "store_ratio": rates["store_gbps"] / rates["memcpy_gbps"],
+        "load_ratio": rates["load_gbps"] / rates["memcpy_gbps"],
+        **behind,
+        "store_commit_ratio": behind["store_commit_gbps"] / rates["memcpy_gbps"],
+        "memcpy_disk_busy_gbps": busy_memcpy,
+        "store_commit_vs_busy_memcpy": behind["store_commit_gbps"] / busy_memcpy,
+        "disk_raw_write_gbps": raw_write,
+        "disk_drain_ratio": behind["disk_drain_gbps"] / raw_write,
+        "disk_raw_how": how,
+        "clients": args.clients,
+        "hashes_per_lookup": args.hashes,
+        "block_bytes": block_bytes,
+        "batch_blocks": args.batch,
+        "wall_s": time.perf_counter() - started,
+    }
+    if args.json:
+        print(
+            json.dumps(
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()},
+                indent=2,
+            )
+        )
+        return 0
+    for key, value in figures.items():
+        aim = AIMS.get(key)
+        note = f"   (aim {'<=' if key.endswith('_ms') else '>='} {aim})" if aim else ""
+        if isinstance(value, float):
+            print(f"{key:>20}  {value:12.3f}{note}")
+        else:
+            print(f"{key:>20}  {value!s:>12}")
+    return 0

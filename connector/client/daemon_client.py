@@ -1,0 +1,416 @@
+"""The engine side of the daemon: a ``LowerTier`` over gRPC and the shared-memory arena.
+
+``DaemonClient`` offers exactly what the in-process ``HostTier`` offers (``lookup``,
+``reserve``/``commit``/``abort``, ``acquire``/``release``, ``slab``, ``counters``), so
+``build_stack`` and the fall-through walk run unchanged with the lower tiers behind a daemon.
+
+It never raises into the engine for daemon trouble. Every call has a deadline; a lookup that
+fails is a miss, a reserve ``NO_SPACE``, an acquire a shorter prefix, each counted in
+``failures``. A missed deadline opens a circuit breaker, so a frozen daemon costs one deadline,
+not one per call. Large acquires and commits go in chunks (an acquire's deadline grows with
+its bytes); a chunk that fails costs that chunk only: the client cancels a late acquire
+(``Cancel`` with its call id gives back whatever the call took, even if it finishes later) or
+aborts a late commit's slots, and the session goes on. Only a failure it cannot repair (a
+release or abort the daemon never confirmed, or the session gone) gives the session up;
+``SessionKeeper`` then opens a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from functools import partial
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvtier.connector.client.arena import ArenaView
+from kvtier.connector.client.circuit import leave_breaker, shared_breaker
+from kvtier.connector.client.later import LaterCalls
+from kvtier.connector.client.session import SessionKeeper, SlotLedger
+from kvtier.connector.client.tools import ToolCalls
+from kvtier.connector.client.wire import meta_chunks, pack_hashes
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.lower import NO_SPACE, LowerHits
+
+log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = (
+    *contract.CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+_TRIPS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+"""Codes that mean the daemon is not answering: the circuit breaker opens."""
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+"""Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
+
+
+class DaemonClient(ToolCalls):
+    """A ``LowerTier`` whose host and disk tiers live in a ``kvtier serve`` daemon.
+
+    ``target`` is ``unix:/path`` or ``host:port`` (default: the socket of the daemon called
+    ``name``). ``token`` (default ``$KVTIER_TOKEN``) is sent with every call, which a TCP
+    listener requires. ``timeout_s`` bounds every call; an acquire of ``n`` bytes may take
+    ``n / (load_gbps * 1e9)`` seconds more (the daemon may read them from disk), and goes in
+    chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
+    a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
+    one engine name the same ``engine_group``: the host hits one's lookup holds are then
+    handed over to another's acquire.
+    """
+
+    def __init__(
+        self,
+        layout_signature: bytes,
+        block_bytes: int,
+        *,
+        block_tokens: int = 0,
+        target: str | None = None,
+        name: str = contract.DEFAULT_NAME,
+        token: str | None = None,
+        client_name: str | None = None,
+        timeout_s: float = 2.0,
+        load_gbps: float = 0.5,
+        chunk_bytes: int = 256 << 20,
+        map_arena: bool = True,
+        engine_group: str = "",
+    ):
+        if len(layout_signature) != 16:
+            raise ValueError("layout_signature must be 16 bytes")
+        self.layout_signature = bytes(layout_signature)
+        self.block_bytes = block_bytes
+        self.block_tokens = block_tokens
+        self.target = target or contract.unix_target(contract.default_socket(name))
+        token = token if token is not None else os.environ.get(contract.TOKEN_ENV)
+        self._metadata = contract.bearer(token) if token else None
+        self.client_name = client_name or f"pid-{os.getpid()}"
+        self.timeout_s = timeout_s
+        self.load_gbps = load_gbps
+        self._chunk_blocks = max(1, chunk_bytes // block_bytes)
+        self.counters = TierCounters("host")
+        self.failures = 0
+        self._arena = ArenaView(block_bytes)
+        self.slab = self._arena.slab
+        self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KvTierStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._lock = threading.Lock()
+        self._ledger = SlotLedger(self._lock)
+        self._call_ids = itertools.count(1)
+        self._lookups: set[grpc.Future] = set()  # Lookup calls not answered yet
+        self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
+        # On this host the daemon can see whether this process is gone (pid + pid namespace).
+        local = (
+            {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
+            if self.target.startswith("unix:")
+            else {}
+        )
+        open_request = pb.OpenRequest(
+            client_name=self.client_name,
+            layout_signature=self.layout_signature,
+            block_bytes=block_bytes,
+            block_tokens=block_tokens,
+            protocol_version=contract.PROTOCOL_VERSION,
+            engine_group=engine_group,
+            **local,
+        )
+        self._keeper = SessionKeeper(
+            self._stub,
+            open_request,
+            self._arena if map_arena else None,
+            self._ledger,
+            self._lock,
+            target=self.target,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+            on_open=self.breaker.close,
+        )
+        self._later = LaterCalls(
+            self._stub,
+            self._lock,
+            self.breaker,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+            failed=self._failed,
+            give_up=self._keeper.give_up,
+        )
+
+    # ---- state ----
+
+    @property
+    def connected(self) -> bool:
+        return self._keeper.session is not None
+
+    @property
+    def sessions_opened(self) -> int:
+        return self._keeper.sessions_opened
+
+    @property
+    def chunk_blocks(self) -> int:
+        """Most blocks one Acquire or Commit names (``chunk_bytes`` worth)."""
+        return min(self._chunk_blocks, self._keeper.limits.max_hashes)
+
+    @property
+    def lookup_hold_s(self) -> float:
+        """How long the daemon keeps a lookup's host hits for this client's acquire: an
+        answer older than that may have gone stale (0: not held at all)."""
+        return self._keeper.limits.lookup_hold_s
+
+    def acquire_room(self) -> int:
+        """How many more slot reads this session may hold now (its share of the slots)."""
+        return max(0, self._keeper.limits.max_acquired - self._ledger.acquired.total())
+
+    def wait_connected(self, timeout: float | None = None) -> bool:
+        """Blocks until a session is open (or ``timeout``); True if one is."""
+        return self._keeper.wait_connected(timeout)
+
+    def close(self) -> None:
+        """Ends the session (the daemon gets back any slot still held) and the channel."""
+        leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
+        self._keeper.close()
+        self._channel.close()
+        self._arena.unmap()
+
+    def __enter__(self) -> DaemonClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- LowerTier ----
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> LowerHits:
+        return self.lookup_async(hashes).result()
+
+    def lookup_async(self, hashes: Sequence[BlockHash]) -> Future[LowerHits]:
+        """Starts a Lookup without waiting; the future never raises (trouble: a miss)."""
+        result: Future[LowerHits] = Future()
+        session = self._usable(bool(hashes))
+        if session is None or not hashes:
+            result.set_result(LowerHits())
+            return result
+        self._lookup_from(session, list(hashes), 0, LowerHits(), result)
+        return result
+
+    def reserve(
+        self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None
+    ) -> list[int]:
+        """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``metas`` (one per hash) is
+        the engine's identity of each block, kept with it and echoed in block events."""
+        slots = [NO_SPACE] * len(hashes)
+        session = self._usable(bool(hashes))
+        if session is None or not self.settle(self.timeout_s):
+            return slots
+        limits = self._keeper.limits
+        room = max(0, limits.max_reserved - len(self._ledger.reserved))
+        for start, end in meta_chunks(hashes[:room], metas, limits.max_hashes):
+            call_id = next(self._call_ids)
+            request = pb.ReserveRequest(
+                session_id=session,
+                hashes=pack_hashes(hashes[start:end]),
+                metas=metas[start:end] if metas else (),
+                call_id=call_id,
+            )
+            try:
+                reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                repair = self._later.canceller(session, call_id)
+                self._failed("Reserve", exc, session, repair=repair)
+                break
+            with self._lock:
+                if self._keeper.session != session:
+                    break  # the session ended; the daemon aborted these
+                self._ledger.reserved.update(s for s in reply.slots if s >= 0)
+            slots[start:end] = reply.slots
+        return slots
+
+    def commit(self, slots: Sequence[int]) -> bool:
+        """Makes the slots readable; True once the daemon confirmed every one of them.
+
+        False means some were not stored (counted in ``failures``); the engine may go on.
+        Slots go in chunks of ``chunk_blocks``: a chunk that fails costs that chunk only.
+        """
+        if not slots:
+            return True
+        with self._lock:
+            self._ledger.take_reserved(slots)
+            session = self._keeper.session
+        if session is None:
+            self.failures += 1
+            return False
+        step = self.chunk_blocks
+        outcomes = [
+            self._commit_chunk(session, slots[i : i + step]) for i in range(0, len(slots), step)
+        ]
+        return all(outcomes)
+
+    def _commit_chunk(self, session: str, chunk: Sequence[int]) -> bool:
+        # Commit is bookkeeping (the disk writes happen behind it): its deadline does not
+        # grow with the chunk's bytes.
+        if self._keeper.session != session:
+            return False  # the session ended; the daemon aborted its reserved slots
+        if not self.breaker.allow():
+            self.failures += 1
+            self._later.send("Abort", session, chunk, tolerate_gone=True)
+            return False
+        request = pb.SlotsRequest(session_id=session, slots=chunk)
+        try:
+            self._stub.Commit(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            # A late chunk may have been committed after all: its Abort is then refused
+            # (tolerated) and the blocks stay readable, which is as good.
+            repair = partial(self._later.send, "Abort", session, chunk, tolerate_gone=True)
+            self._failed("Commit", exc, session, repair=repair)
+            return False
+        return True
+
+    def abort(self, slots: Sequence[int]) -> None:
+        self._finish("Abort", slots, self._ledger.take_reserved)
+
+    def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
+        return self.acquire_with_sources(hashes)[0]
+
+    def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
+        """Slots holding the held prefix of ``hashes`` (within this session's share of the
+        slots), and which tier each came from; give them back with ``release``."""
+        acquired: list[int] = []
+        sources = LowerHits()
+        session = self._usable(bool(hashes))
+        if session is None or not self.settle(self.timeout_s):
+            return acquired, sources
+        wanted = hashes[: self.acquire_room()]
+        step = self.chunk_blocks
+        for start in range(0, len(wanted), step):
+            chunk = wanted[start : start + step]
+            call_id = next(self._call_ids)
+            request = pb.AcquireRequest(
+                session_id=session, hashes=pack_hashes(chunk), call_id=call_id
+            )
+            deadline = self.timeout_s + len(chunk) * self.block_bytes / (self.load_gbps * 1e9)
+            try:
+                reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                repair = self._later.canceller(session, call_id)
+                self._failed("Acquire", exc, session, repair=repair)
+                break
+            with self._lock:
+                if self._keeper.session != session:
+                    break
+                self._ledger.acquired.update(reply.slots)
+            acquired += reply.slots
+            sources.host += reply.host
+            sources.disk += reply.disk
+            sources.remote += reply.remote
+            if len(reply.slots) < len(chunk):
+                break
+        return acquired, sources
+
+    def release(self, slots: Sequence[int]) -> None:
+        self._finish("Release", slots, self._ledger.take_acquired)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits until the daemon has answered every call sent without waiting; False (and
+        the breaker opened) if it has not within ``timeout``. Reserve and acquire call it
+        first (with the call deadline), so that they see the room releases and aborts made."""
+        return self._later.settle(timeout)
+
+    # ---- internals ----
+
+    def _usable(self, counts: bool) -> str | None:
+        """The session to call on, or None (counted as a failure when ``counts``) when there
+        is none or the breaker is open."""
+        session = self._keeper.session
+        if session is None or not self.breaker.allow():
+            self.failures += counts
+            return None
+        return session
+
+    def _lookup_from(
+        self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
+    ) -> None:
+        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
+        chunk = hashes[start : start + self._keeper.limits.max_hashes]
+        request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
+        call = self._stub.Lookup.future(request, timeout=self.timeout_s, metadata=self._metadata)
+        with self._lock:
+            self._lookups.add(call)
+
+        def answered(call: grpc.Future) -> None:
+            with self._lock:
+                self._lookups.discard(call)
+            try:
+                reply = call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    self._failed("Lookup", exc, session)
+                result.set_result(hits)
+                return
+            hits.host += reply.host
+            hits.disk += reply.disk
+            hits.remote += reply.remote
+            end = start + len(chunk)
+            if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
+                result.set_result(hits)
+            else:
+                self._lookup_from(session, hashes, end, hits, result)
+
+        call.add_done_callback(answered)
+
+    def _end_lookups(self) -> None:
+        """The breaker opened: lookups still waiting are misses now, not at their deadline
+        (the requests behind them would wait it out)."""
+        with self._lock:
+            calls = list(self._lookups)
+        for call in calls:
+            call.cancel()
+
+    def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None:
+        """Hands slots back: to the daemon if they belong to the live session, else only
+        locally (the old session is gone and the daemon took its slots back)."""
+        if not slots:
+            return
+        with self._lock:
+            take(slots)
+            session = self._keeper.session
+        if session is not None:
+            step = self._keeper.limits.max_hashes
+            for start in range(0, len(slots), step):
+                self._later.send(method, session, slots[start : start + step])
+
+    def _failed(
+        self,
+        method: str,
+        exc: grpc.RpcError,
+        session: str | None,
+        repair: Callable[[], None] | None = None,
+    ) -> None:
+        """Counts a failed call; opens the breaker if the daemon is not answering; repairs
+        what the call may have changed, or gives the session up if it is gone."""
+        self.failures += 1
+        code = exc.code()
+        if code in _TRIPS:
+            self.breaker.trip(f"{method} failed ({code.name})")
+        if code in _GONE:
+            self._keeper.give_up(session, f"{method} failed ({code.name}: {exc.details()})")
+        elif repair is not None and session is not None:
+            repair()
+        log.debug("kvtier %s failed (%r); treated as a miss", method, code)
+
+    def _probe(self) -> bool:
+        """Whether the daemon answers its health check now (closes the breaker)."""
+        try:
+            reply = self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,125 @@
+"""Calls the daemon client sends without waiting: Release, Abort and the Cancel that repairs
+a failed Reserve or Acquire.
+
+Their answers matter only to the next Reserve or Acquire, which must see the room they made:
+it ``settle``s first. A release or abort the daemon never confirms leaves its view of those
+slots unknown, so that failure gives the session up; a Cancel that fails does too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from kvtier.connector.client.circuit import CircuitBreaker
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+REPAIR_TIMEOUT_S = 30.0
+"""Deadline of a call sent without waiting (release, abort, cancel): long, since giving up
+the session is the only remedy if it fails, and a daemon frozen for a while should not cost
+the session. Nothing waits on it while the breaker is open."""
+
+Failed = Callable[[str, grpc.RpcError, str], None]
+"""Counts a failed call of this method on this session (the client's ``_failed``)."""
+GiveUp = Callable[[str, str], None]
+"""Ends this session, saying why (``SessionKeeper.give_up``)."""
+
+
+class LaterCalls:
+    """The calls sent without waiting that the daemon has not answered yet."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.KvTierStub,
+        lock: threading.Lock,
+        breaker: CircuitBreaker,
+        *,
+        metadata,
+        timeout_s: float,
+        failed: Failed,
+        give_up: GiveUp,
+    ):
+        self._stub = stub
+        self._lock = lock
+        self._breaker = breaker
+        self._metadata = metadata
+        self._timeout = max(REPAIR_TIMEOUT_S, timeout_s)
+        self._failed = failed
+        self._give_up = give_up
+        self._unsettled: list[grpc.Future] = []
+
+    def send(
+        self, method: str, session: str, slots: Sequence[int], tolerate_gone: bool = False
+    ) -> None:
+        """Sends a Release or Abort; a failure gives the session up, since the daemon's view
+        of these slots is then unknown. ``tolerate_gone``: the slots may be committed already
+        (an abort repairing a commit), which is fine."""
+        request = pb.SlotsRequest(session_id=session, slots=slots)
+        future = getattr(self._stub, method).future(
+            request, timeout=self._timeout, metadata=self._metadata
+        )
+
+        def settled(future: grpc.Future) -> None:
+            self._forget(future)
+            if future.cancelled():
+                return
+            exc = future.exception()
+            if exc is None:
+                return
+            if tolerate_gone and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                return
+            self._failed(method, exc, session)
+            self._give_up(session, f"{method} failed ({exc.code().name})")
+
+        self._track(future, settled)
+
+    def canceller(self, session: str, call_id: int) -> Callable[[], None]:
+        """A repair for a Reserve or Acquire that failed: cancel it on the daemon."""
+
+        def cancel() -> None:
+            request = pb.CancelRequest(session_id=session, call_id=call_id)
+            future = self._stub.Cancel.future(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+
+            def settled(future: grpc.Future) -> None:
+                self._forget(future)
+                if not future.cancelled() and future.exception() is not None:
+                    code = future.exception().code().name
+                    self._give_up(session, f"Cancel failed ({code})")
+
+            self._track(future, settled)
+
+        return cancel
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Waits until the daemon has answered every call sent so far; False (and the
+        breaker opened) if it has not within ``timeout``. Failures are handled by the calls'
+        own callbacks."""
+        with self._lock:
+            pending = list(self._unsettled)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for future in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                future.result(timeout=left)
+            except grpc.FutureTimeoutError:
+                self._breaker.trip("releases or aborts unanswered")
+                return False
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                pass
+        return True
+
+    def _track(self, future: grpc.Future, settled: Callable[[grpc.Future], None]) -> None:
+        with self._lock:
+            self._unsettled.append(future)
+        future.add_done_callback(settled)
+
+    def _forget(self, future: grpc.Future) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._unsettled.remove(future)

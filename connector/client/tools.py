@@ -1,0 +1,92 @@
+"""``DaemonClient``'s calls off the engine's load and store path: bytes through gRPC rather
+than the arena (a client that cannot map it: another host, a test), Stats, and the block event
+stream (routers' announcements). They share the session, breaker and failure handling of
+``client.py`` through the attributes named below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvtier.connector.client.wire import pack_hashes
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.hashing import BlockHash
+
+
+class ToolCalls:
+    """Mixin of ``DaemonClient``: needs ``_stub``, ``_metadata``, ``_keeper``, ``breaker``,
+    ``_usable``, ``_failed``, ``layout_signature``, ``timeout_s``, ``block_bytes`` and
+    ``load_gbps``."""
+
+    def put_blocks(
+        self,
+        hashes: Sequence[BlockHash],
+        blocks: Sequence[bytes],
+        metas: Sequence[bytes] | None = None,
+    ) -> int:
+        """Stores whole blocks sent as bytes; returns how many were newly stored."""
+        session = self._usable(bool(hashes))
+        if session is None:
+            return 0
+        if len(hashes) != len(blocks) or (metas is not None and len(metas) != len(hashes)):
+            raise ValueError("hashes, blocks and metas must have the same length")
+
+        def messages():
+            for i, (h, data) in enumerate(zip(hashes, blocks, strict=True)):
+                yield pb.PutRequest(
+                    session_id=session if i == 0 else "",
+                    hash=h,
+                    meta=metas[i] if metas else b"",
+                    data=bytes(data),
+                )
+
+        try:
+            reply = self._stub.Put(
+                messages(), timeout=self._deadline(len(hashes)), metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            self._failed("Put", exc, session)
+            return 0
+        return reply.stored
+
+    def get_blocks(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+        """Copies of the held prefix of ``hashes``, as bytes."""
+        session = self._usable(bool(hashes))
+        if session is None:
+            return []
+        request = pb.GetRequest(session_id=session, hashes=pack_hashes(hashes))
+        blocks: list[bytes] = []
+        try:
+            for reply in self._stub.Get(
+                request, timeout=self._deadline(len(hashes)), metadata=self._metadata
+            ):
+                blocks.append(reply.data)
+        except grpc.RpcError as exc:
+            self._failed("Get", exc, session)
+        return blocks
+
+    def stats(self) -> pb.StatsResponse | None:
+        """The daemon's counters, or None if it cannot be reached."""
+        try:
+            return self._stub.Stats(
+                pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as exc:
+            self._failed("Stats", exc, None)
+            return None
+
+    def watch_events(self, replay: bool) -> grpc.Future | None:
+        """The daemon's block events for this client's layout: an iterator of
+        ``BlockEvents`` that also cancels (``cancel()``). With ``replay``, what the tiers hold
+        now comes first, its last batch marked ``replay_done``. It has no deadline: it ends
+        when the daemon does or it is cancelled, raising ``grpc.RpcError`` then. None when the
+        daemon is not reachable now."""
+        if self._keeper.session is None or not self.breaker.allow():
+            return None
+        request = pb.WatchRequest(layout_signature=self.layout_signature, replay=replay)
+        return self._stub.WatchEvents(request, metadata=self._metadata)
+
+    def _deadline(self, blocks: int) -> float:
+        return self.timeout_s + blocks * self.block_bytes / (self.load_gbps * 1e9)

@@ -1,0 +1,172 @@
+"""The scheduler side's lookups and load plans: what kvtier can load for a request, and the
+load of a hit vLLM accepted (a mixin of ``vllm_scheduler.SchedulerSide``, whose docstring
+tells the whole step)."""
+
+from __future__ import annotations
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.connector.vllm.groups import KVGroup
+from kvtier.connector.vllm.hits import Chain
+from kvtier.connector.vllm.lookup import Lookup
+from kvtier.connector.vllm.metadata import LoadSpec
+from kvtier.connector.vllm.request import PlannedLoad, RequestHashes, RequestState
+from kvtier.tiers.hashing import BlockHash
+
+
+class HitPlanning:
+    """Needs ``SchedulerSide``'s config, groups, ``align``, seeds, clients, request table,
+    lookups, loads and stats."""
+
+    def _state(self, request) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            hashes = [
+                RequestHashes(request, seeds, group.block_size, self.hash_block_size)
+                for group, seeds in zip(self.groups, self._seeds, strict=True)
+            ]
+            state = RequestState.new(request, hashes)
+            self._requests[request.request_id] = state
+        return state
+
+    def _hash(self, state: RequestState, num_tokens: int) -> int:
+        """Hashes every group up to ``num_tokens``; returns the tokens hashed in every group,
+        a multiple of ``align``. Whatever vLLM took back is no longer stored or asked."""
+        end = num_tokens
+        for g, hashes in enumerate(state.hashes):
+            size = self.groups[g].block_size
+            end = min(end, hashes.extend_to(state.request, num_tokens // size) * size)
+            cut = hashes.take_cut()
+            if cut is not None:
+                state.stored_blocks[g] = min(state.stored_blocks[g], cut)
+                self._lookups.discard(state.lookup)
+                state.lookup = None
+        return end // self.align * self.align
+
+    def _lookup(self, state: RequestState, start: int, end: int) -> Lookup:
+        """The lookup of tokens ``[start, end)``: the one asked before, or a new one."""
+        lookup = state.lookup
+        if (
+            lookup is None
+            or (lookup.start, lookup.end) != (start, end)
+            or lookup.stale(self.client.lookup_hold_s)
+        ):
+            self._lookups.discard(lookup)
+            chains = [
+                Chain(group, shard)
+                for group, hashes in zip(self.groups, state.hashes, strict=True)
+                for shard in hashes.per_shard(0, end // group.block_size)
+            ]
+            lookup = Lookup.ask(self._ask, chains, start, end, self.align)
+            self._lookups.add(lookup)
+            state.lookup = lookup
+            self.stats.add("lookup_tokens", end - start)
+        return lookup
+
+    def _ask(self, group: KVGroup, hashes: list[BlockHash]):
+        return self.clients[group.layout.signature].lookup_async(hashes)
+
+    @property
+    def _min_hit_tokens(self) -> int:
+        return self.config.min_hit_blocks * self.align
+
+    def on_new_request(self, request) -> None:
+        """Asks about the whole prompt at once, so the answer is in when vLLM asks (its own GPU
+        hit then being 0, which a prompt that reaches kvtier usually has)."""
+        state = self._state(request)
+        if request.prompt_embeds is None:
+            end = self._hash(state, request.num_tokens - 1)
+            if end >= self._min_hit_tokens:
+                self._lookup(state, 0, end)
+
+    def get_num_new_matched_tokens(
+        self, request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvtier can load, and whether async;
+        ``None`` while the daemon has not answered."""
+        if request.prompt_embeds is not None:
+            return 0, False  # token ids do not name embeddings
+        state = self._state(request)
+        start = num_computed_tokens // self.align * self.align
+        # Never the block holding the last token: vLLM needs one real forward for logits.
+        end = self._hash(state, request.num_tokens - 1)
+        if end - start < self._min_hit_tokens:
+            return 0, False
+        lookup = self._lookup(state, start, end)
+        if not lookup.done():
+            return None, False
+        state.offer, state.offer_start = lookup.hits(), start
+        if state.offer.tokens < self._min_hit_tokens:
+            return 0, False
+        return state.offer.tokens, self.config.load_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Plans the load of an accepted hit into the blocks vLLM allocated for it: in each
+        group, the blocks the token after the hit attends to."""
+        if num_external_tokens == 0:
+            return
+        state = self._requests[request.request_id]
+        assert state.offer is not None, "vLLM accepted a hit kvtier did not offer"
+        start = state.offer_start
+        end = start + num_external_tokens
+        self._hash(state, end)  # (rehashed if reset_cache came in between)
+        all_ids = blocks.get_block_ids()
+        sync = not self.config.load_async
+        planned = []
+        for g, group in enumerate(self.groups):
+            size = group.block_size
+            first = max(start // size, group.first_needed_block(end))
+            last = end // size
+            block_ids = list(all_ids[group.index][first:last])
+            planned.append((first, block_ids))
+            if block_ids:
+                self._loads.append(
+                    LoadSpec(
+                        req_id=request.request_id,
+                        block_ids=block_ids,
+                        hashes=state.hashes[g].packed(first, last),
+                        sync=sync,
+                        group=group.index,
+                    )
+                )
+            if state.stored_blocks[g] >= start // size:
+                # Loaded, or (below a window) null: nothing of it is stored from here.
+                state.stored_blocks[g] = max(state.stored_blocks[g], last)
+        state.load = PlannedLoad(start, planned, sync)
+        self._loading[request.request_id] = state
+        offer = state.offer
+        state.host_hit_tokens = min(offer.host_tokens, num_external_tokens)
+        state.disk_hit_tokens = min(offer.disk_tokens, num_external_tokens - state.host_hit_tokens)
+        state.remote_hit_tokens = (
+            num_external_tokens - state.host_hit_tokens - state.disk_hit_tokens
+        )
+        self.stats.add("host_hit_tokens", state.host_hit_tokens)
+        self.stats.add("disk_hit_tokens", state.disk_hit_tokens)
+        self.stats.add("remote_hit_tokens", state.remote_hit_tokens)
+        # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
+        self._lookups.discard(state.lookup)
+        state.lookup, state.offer = None, None
+
+    def hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """``num_external_tokens`` split by the tier that holds them."""
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens == 0:
+            return {}
+        split = {
+            CacheHitSource.HOST: state.host_hit_tokens,
+            CacheHitSource.DISK: state.disk_hit_tokens,
+            # vLLM names no remote-store source; its "uninstrumented or remote store" one
+            CacheHitSource.EXTERNAL_UNSPECIFIED: state.remote_hit_tokens,
+        }
+        if sum(split.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return {source: n for source, n in split.items() if n}
+
+    @property
+    def lookups_in_flight(self) -> int:
+        return self._lookups.in_flight()
+
+    def wait_for_lookups(self, timeout: float | None = None) -> bool:
+        """Blocks until the daemon answered every lookup in flight; for tests, which want the
+        steps they take not to depend on how fast it answers. vLLM never waits."""
+        return self._lookups.wait(timeout)

@@ -1,0 +1,127 @@
+"""kvtier's counters inside vLLM's connector stats, its log line and its ``/metrics``.
+
+Both sides count: the scheduler its lookups and the tokens each tier supplied, every worker
+its copies, dedups and failures. vLLM sums the workers' and the scheduler's ``KVTierStats``
+each step (``aggregate``), logs ``reduce()`` periodically and feeds the same dict to
+``KVTierPromMetrics``, which exports one ``vllm:kvtier_<name>_total`` counter per key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from kvtier.connector.client.daemon_client import DaemonClient
+
+COUNTERS: dict[str, str] = {
+    "lookup_tokens": "Prompt tokens whose blocks kvtier was asked about (once per admission)",
+    "host_hit_tokens": "Tokens loaded from kvtier's host tier",
+    "disk_hit_tokens": "Tokens loaded from kvtier's disk tier",
+    "remote_hit_tokens": "Tokens loaded from kvtier's remote tier (shared by many nodes)",
+    "daemon_failures": "kvtier daemon calls that failed (each counted as a miss)",
+    "daemon_trips": "Times a worker found the daemon not answering (calls miss until it answers)",
+    "loaded_blocks": "Blocks copied from kvtier into vLLM's KV cache",
+    "load_failed_blocks": "Blocks whose load failed and were recomputed",
+    "stored_blocks": "Blocks copied from vLLM's KV cache into kvtier",
+    "deduplicated_blocks": "Blocks not stored because kvtier already held them",
+    "store_failed_blocks": "Blocks not stored (no free slot, daemon down or commit refused)",
+    "loaded_bytes": "Bytes copied from kvtier into vLLM's KV cache",
+    "stored_bytes": "Bytes copied from vLLM's KV cache into kvtier",
+}
+
+
+class KVTierStats(KVConnectorStats):
+    """Integer counters since the last report, keyed as in ``COUNTERS``."""
+
+    def add(self, key: str, value: int) -> None:
+        if key not in COUNTERS:
+            raise KeyError(f"unknown kvtier counter {key!r}")
+        if value:
+            self.data[key] = self.data.get(key, 0) + value
+
+    def take(self) -> KVTierStats | None:
+        """The counts so far (None if all zero), and a fresh start."""
+        if self.is_empty():
+            return None
+        taken = KVTierStats(data=self.data)
+        self.data = {}
+        return taken
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced: dict[str, int | float] = dict(self.data)
+        lookups = reduced.get("lookup_tokens", 0)
+        if lookups:
+            hits = sum(reduced.get(f"{tier}_hit_tokens", 0) for tier in ("host", "disk", "remote"))
+            reduced["hit_rate"] = round(hits / lookups, 4)
+        return reduced
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per kvtier key, labelled like vLLM's own metrics."""
+
+    def __init__(
+        self,
+        vllm_config,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, documentation in COUNTERS.items():
+            metric = self._counter_cls(
+                name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames
+            )
+            self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            per_engine = self._counters.get(key)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
+
+
+class DaemonTrouble:
+    """Counts one side's daemon failures, and with ``trips`` its breaker trips, into its
+    ``KVTierStats``. Only workers count trips: a scheduler in a worker's process shares its
+    breaker, and one in a process of its own trips when a worker reports one."""
+
+    def __init__(self, trips: bool) -> None:
+        self._count_trips = trips
+        self._failures = 0
+        self._trips = 0
+
+    def count(self, clients: Iterable[DaemonClient], stats: KVTierStats) -> None:
+        """Adds what happened since the last count."""
+        clients = list(clients)
+        failures = sum(client.failures for client in clients)
+        trips = breaker_trips(clients)
+        stats.add("daemon_failures", failures - self._failures)
+        if self._count_trips:
+            stats.add("daemon_trips", trips - self._trips)
+        self._failures, self._trips = failures, trips
+
+
+def breaker_trips(clients: Iterable[DaemonClient]) -> int:
+    """How often the clients' breakers opened (clients of one daemon in a process share one:
+    it counts once)."""
+    breakers = {id(client.breaker): client.breaker for client in clients}
+    return sum(breaker.trips for breaker in breakers.values())

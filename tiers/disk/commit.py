@@ -1,0 +1,240 @@
+"""One batch of the disk tier's writes, applied in one LMDB transaction by the writer thread.
+
+The batch's payloads go into free slots and are made durable (``fdatasync``) inside the
+transaction, before it commits, so an entry never names bytes that are not on the device.
+Evictions ride in the same commit, and the slots they free are reused only by a later batch.
+A borrowed payload (``write_behind``) is written straight from the caller's buffer when the data
+file can take it as it is (whole pages, page-aligned under ``O_DIRECT``), else through a pooled
+bounce buffer filled here, on the writer thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import lmdb
+import numpy as np
+import xxhash
+
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.disk.index import FORMAT_VERSION, BlockIndex, Entry
+from kvtier.tiers.disk.slots import PAGE, BufferPool, SlotFile, SlotTable
+from kvtier.tiers.ratelog import RateLimitedLog
+
+# Queue operations; the ones below FLUSH change the database.
+PUT, TOUCH, DROP, FLUSH, STOP = range(5)
+
+Event = tuple[str, bytes, bytes]
+"""(kind, block hash, meta): "stored" or "removed" for subscribers; inside a commit also
+"evicted" and "dropped"."""
+
+
+class Pending:
+    """A store not yet committed: its bytes, meta, the callers to tell, the readers copying.
+
+    ``data`` is ``block_bytes`` long: a view of ``buf`` (our pooled copy, from ``put``) or of
+    the caller's own buffer (``write_behind``, ``buf`` None).
+    """
+
+    __slots__ = ("buf", "callbacks", "data", "meta", "readers")
+
+    def __init__(self, data: memoryview, buf: Any, meta: bytes, on_done: Any) -> None:
+        self.data = data
+        self.buf = buf
+        self.meta = meta
+        self.callbacks = [] if on_done is None else [on_done]
+        self.readers = 0
+
+
+@dataclass(eq=False, slots=True)
+class DiskState:
+    """What a disk tier's callers, its writer thread and its commits share.
+
+    ``lock`` guards ``pending``, the counters and the slot pins; ``drained``, a condition on
+    it, is notified when the last reader of a pending block is done.
+    """
+
+    path: str
+    signature: bytes
+    block_bytes: int
+    index: BlockIndex
+    slots: SlotFile
+    table: SlotTable
+    pool: BufferPool
+    lock: threading.Lock
+    drained: threading.Condition
+    counters: TierCounters
+    failures: RateLimitedLog
+    pending: dict[bytes, Pending] = field(default_factory=dict)
+
+
+class BatchCommitter:
+    """Applies batches of queued operations to the index and the data file."""
+
+    def __init__(self, state: DiskState, capacity_blocks: int, sync: bool) -> None:
+        self._path = state.path
+        self._index = state.index
+        self._slots = state.slots
+        self._table = state.table
+        self._pool = state.pool
+        self._lock = state.lock
+        self._counters = state.counters
+        self._failures = state.failures
+        self._signature = state.signature
+        self._block_bytes = state.block_bytes
+        self._capacity_blocks = capacity_blocks
+        self._sync = sync
+
+    def commit(
+        self, ops: list[tuple[int, Any]], stores: dict[bytes, Pending]
+    ) -> tuple[list[Event], bool]:
+        """Writes ``ops`` in one transaction; returns the events to report and whether the
+        batch's stores (``stores``: the pending blocks of its PUTs) were committed.
+
+        A full map (a reader pinning an old snapshot keeps freed pages from reuse) is answered
+        by evicting the oldest blocks in a commit of their own and trying again. LMDB reuses
+        the pages a commit frees only once another commit has followed it, so with nothing
+        left to evict one marker commit goes first. If even that finds no room, the batch is
+        given up (its stores fail, logged), never raised. I/O errors are raised.
+        """
+        prepared, bounces = self._prepare(stores)
+        try:
+            return self._commit_prepared(ops, prepared)
+        finally:
+            for buf in bounces:
+                self._pool.release(buf)
+
+    def _prepare(
+        self, stores: dict[bytes, Pending]
+    ) -> tuple[dict[bytes, tuple[memoryview, int, bytes]], list[Any]]:
+        """For each store: the page-aligned bytes to write, the checksum and the meta."""
+        prepared: dict[bytes, tuple[memoryview, int, bytes]] = {}
+        bounces = []
+        for block_hash, pending in stores.items():
+            if pending.buf is not None:
+                view = memoryview(pending.buf)
+            elif self._writable_as_is(pending.data):
+                view = pending.data
+            else:
+                bounce = self._pool.acquire()
+                bounces.append(bounce)
+                view = memoryview(bounce)
+                view[: self._block_bytes] = pending.data
+            checksum = xxhash.xxh3_64_intdigest(pending.data)
+            prepared[block_hash] = (view, checksum, pending.meta)
+        return prepared, bounces
+
+    def _writable_as_is(self, data: memoryview) -> bool:
+        """Whether the data file can take ``data`` with no copy: whole pages, and page-aligned
+        where the file is written with ``O_DIRECT``."""
+        if self._block_bytes % PAGE:
+            return False
+        return not self._slots.direct or np.frombuffer(data, np.uint8).ctypes.data % PAGE == 0
+
+    def _commit_prepared(
+        self, ops: list[tuple[int, Any]], prepared: dict[bytes, tuple[memoryview, int, bytes]]
+    ) -> tuple[list[Event], bool]:
+        events: list[Event] = []
+        marked = False
+        while True:
+            taken: list[int] = []
+            try:
+                with self._index.write() as txn:
+                    changes, writes, freed = self._apply(txn, ops, prepared, taken)
+                    if writes:
+                        self._slots.write(writes)
+                        if self._sync:
+                            self._slots.sync()
+                    del writes  # no view of a caller's buffer outlives the batch
+            except lmdb.MapFullError:
+                self._table.free(taken)
+                puts = sum(op == PUT for op, _ in ops)
+            except BaseException:
+                self._table.free(taken)
+                raise
+            else:
+                # Only now, with their deletions committed, may a later batch reuse these.
+                self._table.free(freed)
+                return events + self._publish(changes), True
+            try:
+                with self._index.write() as txn:
+                    evicted = self._index.evict(txn, max(puts, 1))
+                    mark = not evicted and not marked
+                    if mark:
+                        self._index.mark(txn)
+            except lmdb.MapFullError:
+                evicted, mark = [], False
+            if evicted or mark:
+                marked = marked or mark
+                self._table.free([entry.slot for _, entry in evicted])
+                events += self._publish([("evicted", h, e.meta) for h, e in evicted])
+                continue
+            self._failures.warning(
+                "map-full", "disk tier %s: index map full, %d blocks not stored", self._path, puts
+            )
+            return events, False
+
+    def _apply(
+        self,
+        txn: lmdb.Transaction,
+        ops: list[tuple[int, Any]],
+        prepared: dict[bytes, tuple[memoryview, int, bytes]],
+        taken: list[int],
+    ) -> tuple[list[Event], list[tuple[int, memoryview]], list[int]]:
+        """Applies stores, access bumps and drops to the index, in order.
+
+        Returns what changed (in order), the payload writes to make before the commit and the
+        slots the commit frees; the slots given to stores go into ``taken`` as they are taken.
+        """
+        changes: list[Event] = []
+        writes: list[tuple[int, memoryview]] = []
+        freed: list[int] = []
+        used = self._counters.used_blocks  # only this thread changes it
+        for op, arg in ops:
+            block_hash = arg[0] if op == DROP else arg
+            entry = self._index.get(txn, block_hash)
+            if op == PUT:
+                if entry is not None or block_hash not in prepared:
+                    continue
+                for victim, old in self._index.evict(txn, used + 1 - self._capacity_blocks):
+                    changes.append(("evicted", victim, old.meta))
+                    freed.append(old.slot)
+                    used -= 1
+                slot = self._table.take()
+                taken.append(slot)
+                view, checksum, meta = prepared[block_hash]
+                writes.append((slot, view))
+                new = Entry(
+                    FORMAT_VERSION, 0, slot, self._signature, self._block_bytes, checksum, meta
+                )
+                self._index.insert(txn, block_hash, new)
+                changes.append(("stored", block_hash, meta))
+                used += 1
+            elif entry is None:
+                continue
+            elif op == TOUCH:
+                self._index.touch(txn, block_hash, entry)
+            elif entry.slot == arg[1]:  # not a copy stored again since the bad read
+                self._index.delete(txn, block_hash, entry)
+                if entry.slot >= 0:
+                    freed.append(entry.slot)
+                changes.append(("dropped", block_hash, entry.meta))
+                used -= 1
+        return changes, writes, freed
+
+    def _publish(self, changes: list[Event]) -> list[Event]:
+        """After a commit: counts the changes and returns them as public events."""
+        c = self._counters
+        with self._lock:
+            for kind, _, _ in changes:
+                if kind == "stored":
+                    c.blocks_stored += 1
+                    c.bytes_in += self._block_bytes
+                    c.used_blocks += 1
+                else:
+                    c.blocks_evicted += kind == "evicted"
+                    c.used_blocks -= 1
+            c.used_bytes = c.used_blocks * self._block_bytes
+        return [("stored" if k == "stored" else "removed", h, m) for k, h, m in changes]

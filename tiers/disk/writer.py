@@ -1,0 +1,209 @@
+"""The disk tier's writer thread: stores, access bumps and drops, batched into one commit each.
+
+Every write goes through this one thread (py-lmdb's rule: one write transaction at a time, used
+by the thread that made it); ``disk_commit`` applies each batch.
+
+A batch waits for more stores at most ``flush_interval_s`` after its oldest store was queued,
+and not at all once it is full or a ``flush``/``close`` is queued behind it: one fdatasync and
+one LMDB commit then serve many stores, and no store waits longer than that for its commit
+while the device keeps up.
+
+Each store learns its own outcome and no other's: its callers' ``on_done(True)`` once its entry
+is committed (or was there already), ``on_done(False)`` if its batch failed (an I/O error, a
+full map) or the writer stopped. A failed block is counted in ``blocks_dropped`` and logged,
+one line per kind of failure per few seconds. ``on_done`` runs only once no reader is copying
+from the block's pending bytes any more, so a ``write_behind`` caller may then reuse its buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import lmdb
+
+from kvtier.tiers.disk.commit import FLUSH, PUT, STOP, TOUCH, BatchCommitter, DiskState, Event
+
+log = logging.getLogger(__name__)
+
+OnEvent = Callable[[str, bytes, bytes], None]
+_MAX_DEFERRED_TOUCHES = 4096
+
+
+class Flush:
+    """A flush marker: set by the writer once every operation queued before it is done."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self.done.set()
+
+
+class DiskWriter:
+    """The thread that commits queued operations in batches (``BatchCommitter``) and tells each
+    store's callers its outcome."""
+
+    def __init__(
+        self,
+        state: DiskState,
+        capacity_blocks: int,
+        batch_blocks: int,
+        sync: bool,
+        flush_interval_s: float,
+        on_event: OnEvent | None,
+    ) -> None:
+        self._committer = BatchCommitter(state, capacity_blocks, sync)
+        self._path = state.path
+        self._drained = state.drained
+        self._pending = state.pending
+        self._pool = state.pool
+        self._failures = state.failures
+        self._counters = state.counters
+        self._batch_blocks = batch_blocks
+        self._interval = flush_interval_s
+        self._on_event = on_event
+        self._queue: queue.SimpleQueue[tuple[int, Any, float]] = queue.SimpleQueue()
+        self.alive = True
+        self._thread = threading.Thread(target=self._run, name="kvtier-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: int, arg: Any) -> None:
+        """Queues one operation; call with the lock held, while ``alive``."""
+        self._queue.put((op, arg, time.monotonic()))
+
+    def join(self) -> None:
+        self._thread.join()
+
+    # ---- the thread ----
+
+    def _run(self) -> None:
+        batch: list[tuple[int, Any, float]] = []
+        touches: list[tuple[int, Any, float]] = []
+        try:
+            stop = False
+            while not stop:
+                batch = self._next_batch()
+                stop = any(op == STOP for op, _, _ in batch)
+                # Access-order bumps alone are not worth a synced commit per read burst: they
+                # ride along with the next commit that stores, drops or flushes. A crash loses
+                # only some LRU precision, never a block.
+                if len(touches) + len(batch) < _MAX_DEFERRED_TOUCHES and all(
+                    op == TOUCH for op, _, _ in batch
+                ):
+                    touches += batch
+                    continue
+                batch, touches = touches + batch, []
+                self._process(batch)
+                batch = []
+        finally:
+            with self._drained:
+                self.alive = False
+            # Nothing can be queued any more: fail what the thread may have died holding, and
+            # what is still queued, so that no caller waits forever.
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            self._tell(self._retire([arg for op, arg, _ in batch if op == PUT], False), False)
+            for op, arg, _ in batch:
+                if op == FLUSH and not arg.done.is_set():
+                    arg.finish(RuntimeError("disk tier writer stopped"))
+
+    def _next_batch(self) -> list[tuple[int, Any, float]]:
+        """Blocks for one operation, then takes more until the batch holds ``batch_blocks``
+        stores, a barrier (flush, stop) is taken, or the oldest store has waited
+        ``flush_interval_s``; touches and drops alone never wait."""
+        batch = [self._queue.get()]
+        puts = batch[0][0] == PUT
+        deadline = batch[0][2] + self._interval if puts else None
+        barrier = batch[0][0] >= FLUSH
+        while puts < self._batch_blocks:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                wait = None if deadline is None or barrier else deadline - time.monotonic()
+                if wait is None or wait <= 0:
+                    break
+                try:
+                    item = self._queue.get(timeout=wait)
+                except queue.Empty:
+                    break
+            batch.append(item)
+            if item[0] == PUT:
+                puts += 1
+                if deadline is None:
+                    deadline = item[2] + self._interval
+            barrier = barrier or item[0] >= FLUSH
+        return batch
+
+    def _process(self, batch: list[tuple[int, Any, float]]) -> None:
+        """Commits one batch, tells ``on_event`` and each store's callers, then releases the
+        batch's flush markers (so a flush returns after the callbacks of what preceded it)."""
+        ops = [(op, arg) for op, arg, _ in batch if op < FLUSH]
+        puts = [arg for op, arg in ops if op == PUT]
+        with self._drained:
+            stores = {h: self._pending[h] for h in puts if h in self._pending}
+        try:
+            events, ok = self._committer.commit(ops, stores)
+        except (OSError, lmdb.Error) as exc:  # fails this batch's blocks, not the writer
+            self._failures.warning(
+                "write",
+                "disk tier %s: a write failed, %d blocks not stored: %r",
+                self._path,
+                len(puts),
+                exc,
+            )
+            events, ok = [], False
+        callbacks = self._retire(puts, ok)
+        self._announce(events)
+        self._tell(callbacks, ok)
+        for op, marker, _ in batch:
+            if op == FLUSH:
+                marker.finish(None)
+
+    def _announce(self, events: list[Event]) -> None:
+        if self._on_event is None:
+            return
+        for kind, block_hash, meta in events:
+            try:
+                self._on_event(kind, block_hash, meta)
+            except Exception as exc:  # a subscriber's bug must not stop the disk tier
+                self._failures.warning(
+                    "on_event", "disk tier %s: on_event(%r) raised %r", self._path, kind, exc
+                )
+
+    def _retire(self, hashes: list[bytes], ok: bool) -> list[Callable[[bool], None]]:
+        """Takes the stores out of the pending map (committed, or failed) once nobody copies
+        from their bytes any more; returns their callers' ``on_done``."""
+        callbacks: list[Callable[[bool], None]] = []
+        with self._drained:
+            for block_hash in hashes:
+                pending = self._pending.pop(block_hash, None)
+                if pending is None:
+                    continue
+                while pending.readers:
+                    self._drained.wait()
+                if pending.buf is not None:
+                    self._pool.release(pending.buf)
+                self._counters.blocks_dropped += not ok
+                callbacks += pending.callbacks
+        return callbacks
+
+    def _tell(self, callbacks: list[Callable[[bool], None]], ok: bool) -> None:
+        for on_done in callbacks:
+            try:
+                on_done(ok)
+            except Exception as exc:  # the caller's bug must not stop the disk tier
+                self._failures.warning(
+                    "on_done", "disk tier %s: on_done raised %r", self._path, exc
+                )

@@ -1,0 +1,370 @@
+"""The host tier: one slab of (pinned) host memory cut into block-sized slots.
+
+A hash→slot index, LRU over committed slots nobody holds, and two-phase transfers:
+
+* store: ``reserve`` → the caller writes the slot → ``commit`` (or ``abort``). A reserved slot
+  is in the index, so nobody reserves the same hash twice, but it is never readable.
+* load: ``acquire`` → the caller reads the slot → ``release``. An acquired slot is never
+  evicted. Acquiring a hash that only a lower tier holds promotes it into a slot first.
+
+Below it may sit a disk tier and a remote tier. With ``write_behind`` (the daemon), every
+commit is readable at once and is also written to those tiers from its slot, which stays
+pinned until they are done; otherwise (an engine's own stack) a block reaches the disk tier
+when its slot is evicted (spill). Either way eviction takes the least recently used slot,
+and a prefix enters the LRU tail first, so its tail is evicted before its head and a prefix
+partly in this tier never cascades through the disk on its next acquire.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import numpy as np
+import torch
+
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.gpu.pinned import allocate_host
+from kvtier.tiers.hashing import BlockHash, check_hash
+from kvtier.tiers.host.promote import Promotion
+from kvtier.tiers.host.slots import READY, WRITING, SlotTable
+from kvtier.tiers.lower import (
+    ALREADY_STORED,
+    MAX_META_BYTES,
+    NO_SPACE,
+    DiskTierLike,
+    LowerHits,
+    RemoteTierLike,
+)
+
+EventFn = Callable[[str, BlockHash, bytes], None]
+
+
+class HostTier(Promotion):
+    """Fixed-slot block store in host memory over an optional disk and remote tier."""
+
+    def __init__(
+        self,
+        block_bytes: int,
+        capacity_bytes: int,
+        *,
+        buffer: torch.Tensor | None = None,
+        pin: bool | None = None,
+        lower: DiskTierLike | None = None,
+        remote: RemoteTierLike | None = None,
+        write_behind: bool = False,
+        counters: TierCounters | None = None,
+        on_event: EventFn | None = None,
+    ):
+        """``on_event(kind, hash, meta)`` hears "stored" and "removed"; it may run under the
+        tier's lock, so it must only hand the event on (a queue), never call back into it."""
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        num_slots = capacity_bytes // block_bytes
+        if num_slots < 1:
+            raise ValueError(f"host capacity {capacity_bytes} B holds no block of {block_bytes} B")
+        for tier in (lower, remote):
+            if tier is not None and tier.block_bytes != block_bytes:
+                raise ValueError(
+                    f"a lower tier's blocks are {tier.block_bytes} B, not {block_bytes}"
+                )
+        if buffer is None:
+            buffer = allocate_host(num_slots * block_bytes, pin)
+        elif buffer.dtype != torch.uint8 or buffer.numel() < num_slots * block_bytes:
+            raise ValueError(f"host buffer must be uint8 with >= {num_slots * block_bytes} bytes")
+        self.block_bytes = block_bytes
+        self.num_slots = num_slots
+        self.slab = buffer[: num_slots * block_bytes].view(num_slots, block_bytes)
+        self._slab_np = self.slab.numpy()
+        self.lower = lower
+        self.remote = remote
+        self._behind = [t for t in (lower, remote) if t is not None] if write_behind else []
+        self.counters = counters or TierCounters("host")
+        self.counters.capacity_blocks = num_slots
+        self.counters.capacity_bytes = num_slots * block_bytes
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        """Notified when a promotion ends or a slot may have come free."""
+        self._slots = SlotTable(num_slots)
+        self._promoting: set[int] = set()
+        self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
+        self.reclaim: Callable[[], bool] | None = None
+        """Set by the daemon: ends the oldest lookup hold when a promotion finds every slot
+        pinned (a hold only keeps a host hit where the lookup saw it; a disk hit the engine
+        was promised would otherwise fail); True if it ended one. Called without the lock."""
+
+    # ---- queries ----
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """True if a committed slot holds ``block_hash``."""
+        return self._slots.ready_slot(block_hash) is not None
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> LowerHits:
+        """The contiguous prefix of ``hashes`` that this tier or the ones below hold.
+
+        The host and disk part is one consistent walk under the lock; what neither holds is
+        asked of the remote tier in one batched call, outside the lock (it is a network call).
+        The host hits become the most recently used (the prefix's head last), so that other
+        promotions meanwhile evict colder blocks and the acquire that follows finds here what
+        this answer says is here.
+        """
+        return self._lookup(hashes, hold=False)[0]
+
+    def lookup_holding(
+        self, hashes: Sequence[BlockHash]
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
+        """``lookup``, and its host hits pinned (as by ``acquire``) in the same critical
+        section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
+        return self._lookup(hashes, hold=True)
+
+    def _lookup(
+        self, hashes: Sequence[BlockHash], hold: bool
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
+        for h in hashes:
+            check_hash(h)
+        hits = LowerHits()
+        pos, n = 0, len(hashes)
+        resident: list[tuple[BlockHash, int]] = []
+        with self._lock:
+            table = self._slots
+            while pos < n:
+                slot = table.ready_slot(hashes[pos])
+                if slot is not None:
+                    resident.append((hashes[pos], slot))
+                    pos += 1
+                    continue
+                run = self.lower.lookup_prefix(hashes[pos:]) if self.lower else 0
+                if run == 0:
+                    break
+                for h in hashes[pos : pos + run]:
+                    slot = table.ready_slot(h)
+                    if slot is not None:
+                        resident.append((h, slot))
+                    else:
+                        hits.disk += 1
+                pos += run
+            for _, slot in reversed(resident):
+                if hold:
+                    table.pin(slot)
+                else:
+                    table.touch(slot)
+        hits.host = len(resident)
+        if pos < n and self.remote is not None:
+            hits.remote = self.remote.lookup_prefix(hashes[pos:])
+        return hits, resident if hold else []
+
+    @property
+    def writing_behind(self) -> int:
+        """Committed blocks whose write to a tier below has not finished."""
+        with self._lock:
+            return len(self._behind_left)
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """The bytes of one slot as a writable numpy view (no copy)."""
+        return self._slab_np[slot]
+
+    def meta_of(self, slot: int) -> bytes:
+        with self._lock:
+            return self._slots.meta.get(slot, b"")
+
+    def snapshot(self) -> list[tuple[BlockHash, bytes]]:
+        """(hash, meta) of every block readable here now."""
+        with self._lock:
+            return self._slots.snapshot()
+
+    # ---- store ----
+
+    def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes] = ()) -> list[int]:
+        """Reserves a slot for each hash; ``ALREADY_STORED`` or ``NO_SPACE`` where it can't.
+
+        The hash is claimed at once (a second reserve of it sees ``ALREADY_STORED``) but the
+        slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
+        metadata, kept with the block in every tier.
+        """
+        for h in hashes:
+            check_hash(h)
+        if metas and len(metas) != len(hashes):
+            raise ValueError(f"{len(metas)} metas for {len(hashes)} hashes")
+        for meta in metas:
+            if len(meta) > MAX_META_BYTES:
+                raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
+        result: list[int] = []
+        with self._lock:
+            for i, h in enumerate(hashes):
+                if h in self._slots.index or (self.lower is not None and self.lower.contains(h)):
+                    self.counters.blocks_deduplicated += 1
+                    result.append(ALREADY_STORED)
+                    continue
+                slot = self._take_slot()
+                if slot is None:
+                    result.append(NO_SPACE)
+                    continue
+                self._claim(slot, h, metas[i] if metas else b"")
+                result.append(slot)
+        return result
+
+    def commit(self, slots: Sequence[int]) -> None:
+        """Makes reserved slots readable; their hashes are now stored here.
+
+        ``slots`` are taken in chain order (a prefix head first): they enter the LRU tail
+        first. With ``write_behind`` each is written to the tiers below from its slot, pinned
+        until they are done.
+        """
+        committed: list[tuple[int, BlockHash, bytes]] = []
+        with self._lock:
+            table = self._slots
+            for slot in slots:
+                self._check_state(slot, WRITING, "commit")
+            for slot in reversed(slots):
+                table.state[slot] = READY
+                block = (slot, table.hash_of(slot), table.meta.get(slot, b""))
+                committed.append(block)
+                if self._behind:
+                    for _ in self._behind:
+                        table.pin(slot)
+                    self._behind_left[slot] = len(self._behind)
+                else:
+                    table.lru_push(slot)
+                self.counters.blocks_stored += 1
+                self.counters.bytes_in += self.block_bytes
+                self._emit("stored", block[1], block[2])
+        for slot, block_hash, meta in committed:
+            for tier in self._behind:
+                tier.write_behind(
+                    block_hash, self._slab_np[slot], meta, partial(self._written, slot)
+                )
+
+    def abort(self, slots: Sequence[int]) -> None:
+        """Gives reserved slots back unwritten; their hashes are not stored."""
+        with self._lock:
+            for slot in slots:
+                self._check_state(slot, WRITING, "abort")
+            for slot in slots:
+                self._drop(slot)
+
+    # ---- load ----
+
+    def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Pins slots holding ``hashes`` for reading; see ``acquire_with_sources``."""
+        return self.acquire_with_sources(hashes)[0]
+
+    def acquire_with_sources(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits]:
+        """Pins slots holding ``hashes``, promoting lower-tier hits; says where each was.
+
+        Every block already here is pinned first, so promoting the others can never evict a
+        block this call is about to hand out. The result stops at the first hash that no tier
+        can supply (gone since the lookup, no free slot, a checksum miss), so it is a prefix
+        of ``hashes``; every returned slot must be given back with ``release``.
+        """
+        for h in hashes:
+            check_hash(h)
+        sources = LowerHits()
+        found: list[int | None] = []
+        with self._lock:
+            for h in hashes:
+                slot = self._slots.ready_slot(h)
+                if slot is not None:
+                    self._slots.pin(slot)
+                found.append(slot)
+        acquired: list[int] = []
+        pos = 0
+        while pos < len(hashes):
+            slot = found[pos]
+            if slot is not None:
+                sources.host += 1
+                acquired.append(slot)
+                pos += 1
+                continue
+            run = self._promote(hashes, found, pos, sources)
+            if not run:
+                break
+            acquired += run
+            pos += len(run)
+        with self._lock:
+            for slot in found[pos:]:
+                if slot is not None:
+                    self._slots.unpin(slot)
+            self.counters.blocks_loaded += len(acquired)
+            self.counters.bytes_out += len(acquired) * self.block_bytes
+        return acquired, sources
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Ends reads begun by ``acquire``; a prefix is released tail first into the LRU."""
+        with self._lock:
+            for slot in slots:
+                self._check_state(slot, READY, "release")
+                if self._slots.refs[slot] <= 0:
+                    raise ValueError(f"slot {slot} released more often than acquired")
+            for slot in reversed(slots):
+                self._slots.unpin(slot)
+            self._changed.notify_all()
+
+    def spill_all(self) -> int:
+        """Copies every committed block the disk tier lacks into it (graceful shutdown).
+
+        Returns how many blocks were spilled; the slots stay valid.
+        """
+        if self.lower is None:
+            return 0
+        spilled = 0
+        with self._lock:
+            table = self._slots
+            for block_hash, slot in list(table.index.items()):
+                if table.state[slot] == READY and not self.lower.contains(block_hash):
+                    self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
+                    spilled += 1
+            self.counters.blocks_spilled += spilled
+        return spilled
+
+    # ---- internals ----
+
+    def _written(self, slot: int, ok: bool) -> None:
+        """One write behind of the slot finished; the tier below counts a failure (``ok``
+        False) itself. The slot stays pinned until every such write is done."""
+        with self._lock:
+            left = self._behind_left.pop(slot) - 1
+            if left:
+                self._behind_left[slot] = left
+            self._slots.unpin(slot)
+            self._changed.notify_all()
+
+    def _claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
+        self._slots.claim(slot, block_hash, meta)
+        self.counters.used_blocks += 1
+        self.counters.used_bytes += self.block_bytes
+
+    def _drop(self, slot: int) -> BlockHash:
+        block_hash = self._slots.drop(slot)
+        self.counters.used_blocks -= 1
+        self.counters.used_bytes -= self.block_bytes
+        self._changed.notify_all()
+        return block_hash
+
+    def _take_slot(self) -> int | None:
+        """A free slot, evicting the LRU committed slot if need be (spilling it into the
+        disk tier when that tier lacks it)."""
+        slot = self._slots.pop_free()
+        if slot is not None:
+            return slot
+        slot = self._slots.lru_pop()
+        if slot is None:
+            return None
+        table = self._slots
+        victim, meta = table.hash_of(slot), table.meta.get(slot, b"")
+        if self.lower is not None and not self.lower.contains(victim):
+            self.lower.put(victim, self._slab_np[slot], meta)
+            self.counters.blocks_spilled += 1
+        self.counters.blocks_evicted += 1
+        self._drop(slot)
+        self._emit("removed", victim, meta)
+        return self._slots.pop_free()
+
+    def _check_state(self, slot: int, want: int, op: str) -> None:
+        if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
+            raise ValueError(f"{op}: slot {slot} is not in the state {op} needs")
+
+    def _emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, block_hash, meta)
