@@ -260,7 +260,7 @@ def _prepare_socket(path: Path) -> None:
 
 
 def _prepare_private_dir(public: Path) -> Path:
-    """The directory of gRPC's own socket and the relay's addresses (``unix_relay``), beside
+    """The directory of gRPC's own socket and the relay's addresses (``relay.unix``), beside
     the public socket: ours alone, and cleared of a dead daemon's sockets."""
     private_dir = private_dir_of(public)
     contract.ensure_socket_dir(private_dir)

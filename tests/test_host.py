@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -160,7 +161,8 @@ def test_a_promotion_waits_for_a_slot_to_come_free(tmp_path):
         store(host, 1)
         store(host, 2)
         pinned = host.acquire([h(1), h(2)])
-        take_slot = host._take_slot
+        ops = host._promoter._ops
+        take_slot = ops.take
         releaser: list[threading.Thread] = []
 
         def full_once():
@@ -171,7 +173,7 @@ def test_a_promotion_waits_for_a_slot_to_come_free(tmp_path):
                 releaser[0].start()
             return slot
 
-        host._take_slot = full_once
+        host._promoter._ops = dataclasses.replace(ops, take=full_once)
         slots = host.acquire([h(9)])
         releaser[0].join()
         assert len(slots) == 1 and int(host.slot_array(slots[0])[0]) == 9

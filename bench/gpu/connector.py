@@ -99,7 +99,7 @@ def daemon_arena(num_slots: int, block_bytes: int) -> Iterator[torch.Tensor]:
 
 
 def vllm_placement(layout: KVLayout, num_blocks: int, order: str) -> KVPlacement:
-    """Random KV in vLLM's ``order``, seen through the worker's own ``kv_placement``."""
+    """Random KV in vLLM's ``order``, seen through the worker's own ``tiers.gpu.placement``."""
     made = KVPlacement.allocate(layout, num_blocks, "cuda", order)
     gen = torch.Generator(device="cuda").manual_seed(0)
     made.buffer.copy_(

@@ -5,7 +5,7 @@ streams. The pool's rates are ``CopyEngine`` stores (GPU→host) and loads (host
 consecutive 2 MiB blocks (a Llama-3-8B-like layout: 32 layers, 8 KV heads of 128, bf16) in
 kvtier's own pool, whose buffer is in the canonical ``BLHNC`` order, into an in-process host
 tier's slab. The connector's path (vLLM's tensors, scattered ids, the daemon's arena, a busy
-GPU) is ``gpu_connector``.
+GPU) is ``connector``.
 """
 
 from __future__ import annotations

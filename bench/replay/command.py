@@ -7,7 +7,7 @@ from the trace: GPU 10% of its distinct full blocks, host 30%, disk all of them,
 trace reuses has to be dropped.
 
 With ``--nodes N`` the requests are spread over N nodes, each with tiers of that size, sharing a
-remote tier (``replay_fleet``); the tiered run is then that fleet, the GPU-only run the same
+remote tier (``fleet``); the tiered run is then that fleet, the GPU-only run the same
 nodes' GPU pools, and the fleet also runs without its remote tier (``no_remote_saved_tokens``).
 """
 

@@ -1,6 +1,6 @@
 """Replays requests through real tier stacks and counts, in tokens, the prefill they save.
 
-Each request arrives at its timestamp on one node (a fleet of one unless ``replay_fleet`` builds
+Each request arrives at its timestamp on one node (a fleet of one unless ``fleet`` builds
 several) and runs once that node's GPU pool has room for its whole sequence (prompt and output),
 first come first served. It takes its cached prefix through the fall-through walk
 (which copies lower-tier hits into GPU blocks for real), "computes" the rest by writing each

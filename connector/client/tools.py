@@ -1,7 +1,7 @@
 """``DaemonClient``'s calls off the engine's load and store path: bytes through gRPC rather
 than the arena (a client that cannot map it: another host, a test), Stats, and the block event
 stream (routers' announcements). They share the session, breaker and failure handling of
-``client.py`` through the attributes named below.
+``daemon_client.py`` through the attributes named below.
 """
 
 from __future__ import annotations

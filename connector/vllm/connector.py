@@ -7,13 +7,13 @@ Load it with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"endpoint": "unix:///run/kvtier/kvtier.sock"}}'
 
-vLLM builds the class once per role. The scheduler role (``vllm_scheduler.SchedulerSide``)
-looks up hashes and plans loads and stores; the worker role (``vllm_worker.WorkerSide``)
+vLLM builds the class once per role. The scheduler role (``scheduler.SchedulerSide``)
+looks up hashes and plans loads and stores; the worker role (``worker.WorkerSide``)
 copies blocks. This module only routes vLLM's calls to the side that serves them; the keys of
-``kv_connector_extra_config`` are in ``vllm_config.KVTierConfig``. It supports vLLM's hybrid
+``kv_connector_extra_config`` are in ``config.KVTierConfig``. It supports vLLM's hybrid
 KV cache manager (``SupportsHMA``): each KV cache group is stored and loaded on its own
-(``vllm_groups``). With vLLM's ``--kv-events-config`` the scheduler role also publishes what
-the daemon's host and disk tiers hold, in vLLM's KV events (``vllm_events``).
+(``groups``). With vLLM's ``--kv-events-config`` the scheduler role also publishes what
+the daemon's host and disk tiers hold, in vLLM's KV events (``events``).
 """
 
 from __future__ import annotations
@@ -178,20 +178,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler
 
     def on_new_request(self, request) -> None:
-        self.scheduler.on_new_request(request)
+        self.scheduler.hits.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self.scheduler.hits.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def get_external_cache_hit_sources(
         self, request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        return self.scheduler.hit_sources(request, num_external_tokens)
+        return self.scheduler.hits.hit_sources(request, num_external_tokens)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.scheduler.hits.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)

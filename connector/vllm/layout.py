@@ -6,7 +6,7 @@ shape ``[num_blocks, num_heads, block_size, C]`` (for attention K and V side by 
 strides from the resolved ``KVCacheLayout``. kvtier asks for the block-outermost ``BLHNC``,
 whose block is exactly kvtier's canonical block: one contiguous run that moves as one DMA. A
 backend that cannot give it (vLLM's CPU backend gives ``LBHNC``) makes vLLM fall back;
-``kv_placement`` describes any order, kernel blocks smaller than the cache block included,
+``tiers.gpu.placement`` describes any order, kernel blocks smaller than the cache block included,
 and the copy engine then gathers through its fixed staging ring (GPU) or row copies (CPU).
 Blocks stay interchangeable between engines whose attention backends differ.
 

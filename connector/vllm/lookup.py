@@ -2,7 +2,7 @@
 
 A ``Lookup`` asks the daemon, for every KV cache group and tensor-parallel shard at once and
 without waiting, which of the request's blocks from token ``start`` to ``end`` it holds, and
-settles on the longest hit every group can serve (``vllm_hits``). The scheduler keeps one
+settles on the longest hit every group can serve (``hits``). The scheduler keeps one
 per request and asks again only when the question changes (vLLM's own GPU hit moved
 ``start``, or the request's tokens moved ``end``); until the answer is in it tells vLLM to
 ask later.

@@ -2,7 +2,7 @@
 
 A load or a store names one KV cache group's vLLM block ids and, per tensor-parallel shard of
 that group's KV, the kvtier hashes of those blocks packed 16 bytes each (ranks holding one
-shard share its namespace; see ``vllm_groups``). One spec per request and group. Plain
+shard share its namespace; see ``groups``). One spec per request and group. Plain
 dataclasses of lists and bytes, so the metadata pickles cheaply to worker processes.
 """
 
@@ -38,7 +38,7 @@ class StoreSpec:
     group: int = 0
     """The KV cache group of ``block_ids``."""
     metas: tuple[bytes, ...] = ()
-    """Per block, its vLLM identity (``vllm_events.identities``), stored with shard 0."""
+    """Per block, its vLLM identity (``events.identities``), stored with shard 0."""
 
 
 @dataclass
@@ -50,7 +50,7 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their freed blocks may be rewritten by this step, so
     stores still reading them must be ordered first."""
-    hold: set[str] = field(default_factory=set)
+    delay_free: set[str] = field(default_factory=set)
     """Finished requests whose blocks vLLM keeps until a worker reports them in
     ``finished_sending`` (after every store reading them has landed)."""
     new_blocks: set[int] = field(default_factory=set)

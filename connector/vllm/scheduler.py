@@ -7,7 +7,7 @@ workers to store. Each step:
 * ``get_num_new_matched_tokens`` asks the daemon, for every group and shard and without
   waiting, which of the prompt's full blocks beyond vLLM's own GPU hit it holds (never the
   block of the last prompt token); the hit is the longest every group can serve, a
-  sliding-window group needing only the blocks inside its window (``vllm_hits``). Until the
+  sliding-window group needing only the blocks inside its window (``hits``). Until the
   answer is in it returns ``None`` and vLLM asks again next step; the answer is kept until
   the question changes.
 * ``update_state_after_alloc`` turns an accepted hit into one load per group of those
@@ -37,18 +37,17 @@ import xxhash
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.events import TAG_BYTES, TierEvents, identities
 from kvtier.connector.vllm.groups import KVGroup, alignment_tokens
-from kvtier.connector.vllm.lookup import Lookups
-from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec
+from kvtier.connector.vllm.hit_planner import HitPlanner
+from kvtier.connector.vllm.metadata import KVTierMetadata, StoreSpec
 from kvtier.connector.vllm.request import RequestState
-from kvtier.connector.vllm.scheduler_hits import HitPlanning
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats, breaker_trips
-from kvtier.tiers.hashing import BlockHash
 
 log = logging.getLogger(__name__)
 
 
-class SchedulerSide(HitPlanning):
-    """Plans kvtier loads and stores for vLLM's scheduler."""
+class SchedulerSide:
+    """Plans kvtier loads and stores for vLLM's scheduler; its ``HitPlanner`` answers
+    vLLM's hit questions and plans the loads."""
 
     def __init__(
         self,
@@ -82,7 +81,6 @@ class SchedulerSide(HitPlanning):
         self._base_seeds = [
             [ns.seed for ns in group.namespaces(model_id, tp_world)] for group in groups
         ]
-        self._seeds: list[list[BlockHash]] = [list(seeds) for seeds in self._base_seeds]
         self.clients = {}
         for group in groups:
             if group.layout.signature not in self.clients:
@@ -101,13 +99,18 @@ class SchedulerSide(HitPlanning):
         # still reading such a block before the step that reuses it.
         self._frees_blocks = any(group.windowed for group in groups)
         self.stats = KVTierStats()
-        self._requests: dict[str, RequestState] = {}
-        self._loading: dict[str, RequestState] = {}
-        self._lookups = Lookups()
-        self._loads: list[LoadSpec] = []
+        self.hits = HitPlanner(
+            config,
+            groups,
+            self.align,
+            hash_block_size,
+            [list(seeds) for seeds in self._base_seeds],
+            self.clients,
+            self.stats,
+        )
         self._stores: list[StoreSpec] = []
-        self._hold_new: set[str] = set()
-        self._held: set[str] = set()
+        self._delay_free_new: set[str] = set()
+        self._delayed_free: set[str] = set()
         self._trouble = DaemonTrouble(trips=False)
         self._trips_seen = 0
         self._hash_tokens = hash_block_size or groups[0].block_size
@@ -129,24 +132,26 @@ class SchedulerSide(HitPlanning):
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         """This step's loads and stores; clears what it hands out."""
-        meta = KVTierMetadata(loads=self._loads, stores=self._stores, hold=self._hold_new)
-        self._loads, self._stores, self._hold_new = [], [], set()
+        meta = KVTierMetadata(
+            loads=self.hits.take_loads(), stores=self._stores, delay_free=self._delay_free_new
+        )
+        self._stores, self._delay_free_new = [], set()
         # Preemptions first: a request preempted by reset_prefix_cache is resumed in the
         # same step and reported in both, and its resumption is the newer fact.
         for req_id in scheduler_output.preempted_req_ids or ():
             meta.preempted.add(req_id)
-            state = self._requests.get(req_id)
+            state = self.hits.requests.get(req_id)
             if state is not None:
                 self._preempted(state)
         scheduled = scheduler_output.num_scheduled_tokens
         for load in meta.loads:
             if load.sync:
                 # This step computes over the load: store that once the load proved good.
-                state = self._requests[load.req_id]
+                state = self.hits.requests[load.req_id]
                 computed = state.request.num_computed_tokens
                 state.verify_end = computed + scheduled.get(load.req_id, 0)
         for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests[new.req_id]
+            state = self.hits.requests[new.req_id]
             state.block_ids = [list(new.block_ids[group.index]) for group in self.groups]
             if not state.scheduled:
                 # Below num_computed_tokens lie GPU hits (stored by whoever computed them)
@@ -159,7 +164,7 @@ class SchedulerSide(HitPlanning):
             self._note_new_blocks(meta, new.block_ids)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._requests[req_id]
+            state = self.hits.requests[req_id]
             new_ids = cached.new_block_ids[i]
             for g, group in enumerate(self.groups):
                 if req_id in cached.resumed_req_ids:
@@ -182,8 +187,7 @@ class SchedulerSide(HitPlanning):
         if state.lookup is not None:
             # An answer holds for one wait: once it runs, its own stores change what the
             # daemon holds, so a later admission asks again.
-            self._lookups.discard(state.lookup)
-            state.lookup = None
+            self.hits.forget(state)
 
     def _preempted(self, state: RequestState) -> None:
         """Its blocks are gone: whatever it computes from now on is fresh KV."""
@@ -194,7 +198,7 @@ class SchedulerSide(HitPlanning):
         if state.load is not None:
             # A sync load never proved good: what it counted as stored may not be.
             self._rewind(state, state.load.start)
-            self._loading.pop(state.request.request_id, None)
+            self.hits.loading.pop(state.request.request_id, None)
             state.load = None
         state.verify_end = 0
 
@@ -222,9 +226,9 @@ class SchedulerSide(HitPlanning):
             if processed < state.verify_end:
                 return []  # vLLM has not processed the sync load's step without error yet
             state.verify_end = 0
-            self._loading.pop(request.request_id, None)
+            self.hits.loading.pop(request.request_id, None)
             state.load = None
-        self._hash(state, end)
+        self.hits.hash_to(state, end)
         specs = []
         for g, group in enumerate(self.groups):
             if windowed_only and not group.windowed:
@@ -244,7 +248,7 @@ class SchedulerSide(HitPlanning):
                     group=group.index,
                     metas=identities(
                         request,
-                        self._seeds[g][0][:TAG_BYTES],
+                        self.hits.seeds[g][0][:TAG_BYTES],
                         group.index,
                         group.block_size,
                         self._hash_tokens,
@@ -260,11 +264,11 @@ class SchedulerSide(HitPlanning):
     def request_finished(self, request, block_ids: list[list[int]]) -> bool:
         """True if vLLM must keep the request's blocks until a worker reports it sent;
         ``block_ids`` holds one list per KV cache group."""
-        state = self._requests.pop(request.request_id, None)
-        self._loading.pop(request.request_id, None)
+        state = self.hits.requests.pop(request.request_id, None)
+        self.hits.loading.pop(request.request_id, None)
         if state is None:
             return False
-        self._lookups.discard(state.lookup)
+        self.hits.lookups.discard(state.lookup)
         if not state.running:
             # Waiting, preempted, or loading (vLLM sets the finished status first, and frees
             # the blocks of a load in flight once it reports in finished_recving): it holds
@@ -276,13 +280,13 @@ class SchedulerSide(HitPlanning):
         self._stores += self._store_specs(state, request.num_computed_tokens)
         if not state.stores_issued:
             return False
-        self._hold_new.add(request.request_id)
-        self._held.add(request.request_id)
+        self._delay_free_new.add(request.request_id)
+        self._delayed_free.add(request.request_id)
         return True
 
     def has_pending_work(self) -> bool:
         """Blocks are held for stores still in flight: the engine must keep stepping."""
-        return bool(self._held)
+        return bool(self._delayed_free)
 
     def update_connector_output(self, output) -> None:
         """Rewinds what failed loads counted as stored; forgets loads that landed; stops
@@ -290,7 +294,7 @@ class SchedulerSide(HitPlanning):
         self._follow_worker_trips(output.kv_connector_stats)
         invalid = output.invalid_block_ids
         if invalid:
-            for state in self._loading.values():
+            for state in self.hits.loading.values():
                 fails = [
                     (first + i) * self.groups[g].block_size
                     for g, (first, ids) in enumerate(state.load.block_ids)
@@ -301,14 +305,14 @@ class SchedulerSide(HitPlanning):
                     self._rewind(state, min(fails))
         failed = output.failed_recving or set()
         for req_id in (output.finished_recving or set()) | failed:
-            state = self._loading.pop(req_id, None)
+            state = self.hits.loading.pop(req_id, None)
             if state is None:
                 continue  # finished meanwhile
             if req_id in failed:
                 self._rewind(state, state.load.start)
             state.load = None
         for req_id in output.finished_sending or ():
-            self._held.discard(req_id)
+            self._delayed_free.discard(req_id)
 
     def _follow_worker_trips(self, reported: KVTierStats | None) -> None:
         """A worker in a process of its own waited out a deadline: lookups sent now would
@@ -342,19 +346,16 @@ class SchedulerSide(HitPlanning):
         before the reset (vLLM's own reset fails then too, as that request holds blocks).
         """
         nonce = os.urandom(16)
-        self._seeds = [
+        seeds = [
             [xxhash.xxh3_128_digest(seed + nonce) for seed in seeds] for seeds in self._base_seeds
         ]
         self._tags = self._namespace_tags()
-        self._lookups.clear()
-        for state in self._requests.values():
-            for hashes, seeds in zip(state.hashes, self._seeds, strict=True):
-                hashes.reseed(seeds)
-            state.lookup = None
+        self.hits.reseed(seeds)
+        for state in self.hits.requests.values():
             request = state.request
             if request.num_computed_tokens > 0 or state.load is not None:
                 state.stale = True
-        in_flight = [req_id for req_id, state in self._loading.items() if not state.load.sync]
+        in_flight = [req_id for req_id, state in self.hits.loading.items() if not state.load.sync]
         if in_flight:
             log.warning(
                 "kvtier reset_cache: %d async loads from before the reset still in flight "
@@ -366,16 +367,25 @@ class SchedulerSide(HitPlanning):
 
     def take_events(self) -> list:
         """vLLM's events for what the daemon's tiers stored and dropped since the last step
-        (``vllm_events``); empty unless ``publish_events``."""
+        (``events``); empty unless ``publish_events``."""
         return self._events.take() if self._events is not None else []
 
     def _namespace_tags(self) -> dict[bytes, int]:
         """Shard 0's namespace tag of each group in this cache epoch, to its group index."""
         return {
             seeds[0][:TAG_BYTES]: group.index
-            for seeds, group in zip(self._seeds, self.groups, strict=True)
+            for seeds, group in zip(self.hits.seeds, self.groups, strict=True)
         }
 
     def take_stats(self) -> KVTierStats | None:
         self._trouble.count(self.clients.values(), self.stats)
         return self.stats.take()
+
+    # ---- for tests, which want their steps not to depend on how fast the daemon answers ----
+
+    @property
+    def lookups_in_flight(self) -> int:
+        return self.hits.lookups_in_flight
+
+    def wait_for_lookups(self, timeout: float | None = None) -> bool:
+        return self.hits.wait_for_lookups(timeout)

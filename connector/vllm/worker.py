@@ -18,7 +18,7 @@ in ``failed_recving`` instead and vLLM recomputes all of it.
 Stores: at ``wait_for_save`` the step's newly full blocks are queued, and ONE ``Reserve``
 per step and group asks for their slots on a helper thread (the daemon answers "already
 stored" for blocks it holds, which are skipped). The copy starts at the NEXT step's start
-(``vllm_stores``), on the copy engine's store stream after the compute stream's queued work,
+(``stores``), on the copy engine's store stream after the compute stream's queued work,
 and a helper thread commits the slots when the bytes are in. Finished requests whose blocks
 vLLM holds for us are reported in ``finished_sending`` once no store reads them any more. A
 sliding-window group's blocks are freed by vLLM while their request runs; when a step hands
@@ -90,7 +90,7 @@ class WorkerSide:
         }
         self._stores_in_flight: list[Transfer] = []
         self._storing: Counter[str] = Counter()
-        self._held: set[str] = set()
+        self._delayed_free: set[str] = set()
         self._load_errors: set[int] = set()
         # vLLM maps failed block ids back to requests only for a model of one group.
         self._whole_request_failures = len(groups) > 1
@@ -199,7 +199,7 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Queues this step's stores; their copies start with the next step."""
-        self._held |= meta.hold
+        self._delayed_free |= meta.delay_free
         if meta.stores:
             self._queue_stores(meta.stores)
 
@@ -219,8 +219,8 @@ class WorkerSide:
             del self._async_loads[req_id]
         self._failed_landed |= recving & self._failed_loads
         self._failed_loads -= recving
-        sending = {req_id for req_id in self._held if not self._storing[req_id]}
-        self._held -= sending
+        sending = {req_id for req_id in self._delayed_free if not self._storing[req_id]}
+        self._delayed_free -= sending
         return sending, recving
 
     def take_failed_loads(self) -> set[str]:

@@ -2,7 +2,7 @@
 
 Refusals become status codes; every unary call is timed into the metrics; a call's peer is
 the connection a session is bound to: a TCP peer as gRPC names it, or on the unix socket the
-address the relay bound the connection to (``unix_relay``).
+address the relay bound the connection to (``relay.unix``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -19,10 +19,8 @@ from kvtier.service.events import TooManyWatchers
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError
 from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
+from kvtier.service.stats.metrics import Metrics
 from kvtier.service.store import LayoutRefused
-
-if TYPE_CHECKING:
-    from kvtier.service.rpc.servicer import KvTierServicer
 
 _CODES = {
     SessionError: grpc.StatusCode.NOT_FOUND,
@@ -45,7 +43,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def session_peer(context: grpc.aio.ServicerContext) -> str:
     """The connection a session is bound to: a TCP peer, or the address the unix socket's
-    relay bound the connection to (``unix_relay``); "" for an unbound unix peer."""
+    relay bound the connection to (``relay.unix``); "" for an unbound unix peer."""
     peer = context.peer() or ""
     return peer if peer.startswith(("ipv4:", "ipv6:", "unix:/")) else ""
 
@@ -59,7 +57,17 @@ def log_source(peer: str) -> str:
     return "unix" if peer.startswith("unix:") else peer
 
 
-Handler = Callable[["KvTierServicer", object, grpc.aio.ServicerContext], Awaitable[object]]
+class Answering(Protocol):
+    """What a servicer gives ``unary``: where call times go, and how a refusal is logged."""
+
+    metrics: Metrics
+
+    def refused(
+        self, context: grpc.aio.ServicerContext, exc: BaseException, message: str
+    ) -> None: ...
+
+
+Handler = Callable[[Answering, object, grpc.aio.ServicerContext], Awaitable[object]]
 
 
 def unary(method: Handler) -> Handler:
@@ -67,7 +75,7 @@ def unary(method: Handler) -> Handler:
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: KvTierServicer, request: object, context: grpc.aio.ServicerContext):
+    async def wrapper(self: Answering, request: object, context: grpc.aio.ServicerContext):
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:

@@ -5,7 +5,7 @@ hash to an ``Entry`` (format version, access sequence number, slot, layout signa
 length, xxh3_64 of the payload) followed by the block's meta (opaque bytes, at most
 ``MAX_META_BYTES``); ``order`` maps the big-endian sequence number back to the hash, so its first
 key is the least recently used block. The block bytes themselves live in the data file
-(``disk_slots``).
+(``slots``).
 
 Format 2 entries (no meta) are still read, as blocks with empty meta; an entry is written in
 the current format whenever it is rewritten (a read bumping its recency, a move at open).
@@ -33,7 +33,7 @@ _READABLE_VERSIONS = (2, 3)  # 2: the same header with no meta after it
 _ENTRY = struct.Struct(">HQQ16sQQ")
 # order key: big-endian, so LMDB's byte order is access order
 _SEQ = struct.Struct(">Q")
-# A key of the main database, written only to make a commit (see ``disk_writer``).
+# A key of the main database, written only to make a commit (see ``writer``).
 _MARKER = b"kvtier-marker"
 
 

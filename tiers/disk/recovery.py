@@ -2,7 +2,7 @@
 budget.
 
 An index found damaged before or while it is opened is moved aside and the tier starts empty
-(``disk_dir``). Entries of another layout or format, or past the end of the data file, are
+(``directory``). Entries of another layout or format, or past the end of the data file, are
 dropped; the oldest blocks are evicted down to the budget; blocks in slots past a smaller
 budget's end are moved into free slots below it (checksum verified, made durable before the
 index points at them) so the file can shrink.

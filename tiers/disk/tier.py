@@ -1,10 +1,10 @@
 """The disk tier: blocks in one data file on local NVMe, indexed by LMDB, under a byte budget with
 LRU.
 
-The pieces: ``disk_slots`` (the preallocated slot file, O_DIRECT), ``disk_index`` (LMDB entries:
-slot, signature, length, checksum, meta; and the access order), ``disk_writer`` and
-``disk_commit`` (one writer thread batching stores into synced commits), ``disk_recovery``
-(opening, budget changes) and ``disk_dir`` (one owner per directory, damage moved aside).
+The pieces: ``slots`` (the preallocated slot file, O_DIRECT), ``index`` (LMDB entries:
+slot, signature, length, checksum, meta; and the access order), ``writer`` and
+``commit`` (one writer thread batching stores into synced commits), ``recovery``
+(opening, budget changes) and ``directory`` (one owner per directory, damage moved aside).
 
 Stores wait in a pending map, readable at once, until the writer commits them: ``put`` copies
 the caller's bytes first, ``write_behind`` borrows them until it calls back. Readers look the

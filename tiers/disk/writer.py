@@ -1,7 +1,7 @@
 """The disk tier's writer thread: stores, access bumps and drops, batched into one commit each.
 
 Every write goes through this one thread (py-lmdb's rule: one write transaction at a time, used
-by the thread that made it); ``disk_commit`` applies each batch.
+by the thread that made it); ``commit`` applies each batch.
 
 A batch waits for more stores at most ``flush_interval_s`` after its oldest store was queued,
 and not at all once it is full or a ``flush``/``close`` is queued behind it: one fdatasync and

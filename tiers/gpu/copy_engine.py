@@ -5,7 +5,7 @@ fall-through walk, the vLLM connector's worker). A store copies blocks into slot
 work already queued on the compute stream; a load copies slots into blocks and hands back a
 ``Transfer`` whose event the engine waits on before attention reads them. On CUDA the copies
 run on side streams (``cuda_copy``), on a CPU synchronously (``cpu_copy``); the planning is
-the same (``copy_plan``).
+the same (``plan``).
 
 The engine locks (``cudaHostRegister``) the slab it copies through on first use, on the
 calling (engine) thread and under the KV buffer's device. The slab tensor may be re-pointed

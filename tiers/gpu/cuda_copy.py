@@ -3,7 +3,7 @@
 In the canonical page order (``BLHNC``) a block is one contiguous run of the KV buffer, so a
 store or load is a handful of ``cudaMemcpyAsync`` between vLLM's buffer and the pinned slab
 (consecutive blocks into consecutive slots merge into one): no kernel, no staging. The copies
-are queued through the runtime library directly (``cuda_runtime.copy_runs``), which costs the
+are queued through the runtime library directly (``runtime.copy_runs``), which costs the
 engine's thread a tenth of what a ``Tensor.copy_`` per run does. Any other order goes through
 a FIXED staging ring per direction, allocated once: chunk ``k`` is gathered (or scattered) by
 one indexing kernel on a high-priority kernel stream (so that the forward's kernels do not

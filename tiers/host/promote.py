@@ -1,27 +1,70 @@
 """How the host tier promotes a lower tier's hits into its slots for an acquire.
 
-A mixin of ``HostTier``, kept apart because promotion is the one path that reads the tiers
-below while holding claimed slots, waits for room and gives up the lock to end lookup holds.
+``HostTier`` owns one ``Promoter``, kept apart because promotion is the one path that reads
+the tiers below while holding claimed slots, waits for room and gives up the lock to end
+lookup holds. What it may do to the host tier's slots is exactly ``SlotOps``.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
+
+from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host.slots import READY
-from kvtier.tiers.lower import LowerHits
+from kvtier.tiers.host.slots import READY, SlotTable
+from kvtier.tiers.lower import DiskTierLike, LowerHits, RemoteTierLike
 
 PROMOTE_WAIT_S = 0.25
 """Most a promotion waits for a host slot to come free when every slot is in use."""
 
 
-class Promotion:
-    """Needs ``HostTier``'s lock, condition, slot table, lower and remote tiers, counters,
-    ``reclaim``, and its ``_take_slot``, ``_claim``, ``_drop`` and ``_emit``."""
+@dataclass(frozen=True)
+class SlotOps:
+    """The host tier's slots as promotion sees them. Every operation is called with
+    ``changed``'s lock (the host tier's lock) held."""
 
-    def _promote(
+    changed: threading.Condition
+    """The host tier's lock and condition: notified when a slot may have come free."""
+    table: SlotTable
+    slab: np.ndarray
+    """One row of bytes per slot."""
+    take: Callable[[], int | None]
+    """A free slot, evicting (and spilling) the least recently used one if need be."""
+    claim: Callable[[int, BlockHash, bytes], None]
+    drop: Callable[[int], BlockHash]
+    emit: Callable[[str, BlockHash, bytes], None]
+    """Announces "stored" or "removed" for a hash and its meta."""
+
+
+class Promoter:
+    """Reads lower-tier hits into host slots, pinned once for the acquiring caller."""
+
+    def __init__(
+        self,
+        slots: SlotOps,
+        lower: DiskTierLike | None,
+        remote: RemoteTierLike | None,
+        counters: TierCounters,
+    ):
+        self._ops = slots
+        self._lock = slots.changed
+        self._changed = slots.changed
+        self._slots = slots.table
+        self._slab_np = slots.slab
+        self.lower = lower
+        self.remote = remote
+        self.counters = counters
+        self._promoting: set[int] = set()
+        self.reclaim: Callable[[], bool] | None = None
+        """Ends the oldest lookup hold when every slot is pinned; True if it ended one.
+        Called without the lock (it releases slots through the host tier)."""
+
+    def promote(
         self, hashes: Sequence[BlockHash], found: list[int | None], pos: int, sources: LowerHits
     ) -> list[int]:
         """Promotes the run of non-resident hashes starting at ``pos``; returns its slots.
@@ -63,7 +106,7 @@ class Promotion:
                     continue
                 if self.lower is None or not self.lower.contains(block_hash):
                     return None
-                slot = self._take_slot()
+                slot = self._ops.take()
                 if slot is not None:
                     break
                 if self._reclaim_unlocked():
@@ -72,7 +115,7 @@ class Promotion:
                 if left <= 0:
                     return None
                 self._changed.wait(left)
-            self._claim(slot, block_hash, self.lower.get_meta(block_hash) or b"")
+            self._ops.claim(slot, block_hash, self.lower.get_meta(block_hash) or b"")
             self._promoting.add(slot)
         ok = self.lower.get_into(block_hash, self._slab_np[slot])
         with self._lock:
@@ -80,7 +123,7 @@ class Promotion:
             if ok:
                 self._ready_promoted(slot)
             else:
-                self._drop(slot)
+                self._ops.drop(slot)
             self._changed.notify_all()
         return slot if ok else None
 
@@ -102,10 +145,10 @@ class Promotion:
             for h in hashes:
                 if h in self._slots.index:
                     break  # someone else is storing or promoting it: stop the run here
-                slot = self._take_slot()
+                slot = self._ops.take()
                 if slot is None:
                     break
-                self._claim(slot, h, b"")
+                self._ops.claim(slot, h, b"")
                 self._promoting.add(slot)
                 claimed.append(slot)
         metas = self.remote.get_into(hashes[: len(claimed)], [self._slab_np[s] for s in claimed])
@@ -118,12 +161,14 @@ class Promotion:
                 self._ready_promoted(slot)
             for slot in claimed[len(got) :]:
                 self._promoting.discard(slot)
-                self._drop(slot)
+                self._ops.drop(slot)
             self._changed.notify_all()
         sources.remote += len(got)
         if self.lower is not None:  # a remote hit lands in the disk tier too
             for slot in got:
-                self.lower.put(self._slots.hash_of(slot), self._slab_np[slot], self.meta_of(slot))
+                self.lower.put(
+                    self._slots.hash_of(slot), self._slab_np[slot], self._slots.meta.get(slot, b"")
+                )
         return got
 
     def _ready_promoted(self, slot: int) -> None:
@@ -131,4 +176,4 @@ class Promotion:
         self._slots.state[slot] = READY
         self._slots.refs[slot] = 1
         self.counters.blocks_promoted += 1
-        self._emit("stored", self._slots.hash_of(slot), self._slots.meta.get(slot, b""))
+        self._ops.emit("stored", self._slots.hash_of(slot), self._slots.meta.get(slot, b""))

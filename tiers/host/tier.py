@@ -27,7 +27,7 @@ import torch
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.gpu.pinned import allocate_host
 from kvtier.tiers.hashing import BlockHash, check_hash
-from kvtier.tiers.host.promote import Promotion
+from kvtier.tiers.host.promote import Promoter, SlotOps
 from kvtier.tiers.host.slots import READY, WRITING, SlotTable
 from kvtier.tiers.lower import (
     ALREADY_STORED,
@@ -41,7 +41,7 @@ from kvtier.tiers.lower import (
 EventFn = Callable[[str, BlockHash, bytes], None]
 
 
-class HostTier(Promotion):
+class HostTier:
     """Fixed-slot block store in host memory over an optional disk and remote tier."""
 
     def __init__(
@@ -88,12 +88,32 @@ class HostTier(Promotion):
         self._changed = threading.Condition(self._lock)
         """Notified when a promotion ends or a slot may have come free."""
         self._slots = SlotTable(num_slots)
-        self._promoting: set[int] = set()
         self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
-        self.reclaim: Callable[[], bool] | None = None
+        self._promoter = Promoter(
+            SlotOps(
+                self._changed,
+                self._slots,
+                self._slab_np,
+                self._take_slot,
+                self._claim,
+                self._drop,
+                self._emit,
+            ),
+            lower,
+            remote,
+            self.counters,
+        )
+
+    @property
+    def reclaim(self) -> Callable[[], bool] | None:
         """Set by the daemon: ends the oldest lookup hold when a promotion finds every slot
         pinned (a hold only keeps a host hit where the lookup saw it; a disk hit the engine
         was promised would otherwise fail); True if it ended one. Called without the lock."""
+        return self._promoter.reclaim
+
+    @reclaim.setter
+    def reclaim(self, reclaim: Callable[[], bool] | None) -> None:
+        self._promoter.reclaim = reclaim
 
     # ---- queries ----
 
@@ -277,7 +297,7 @@ class HostTier(Promotion):
                 acquired.append(slot)
                 pos += 1
                 continue
-            run = self._promote(hashes, found, pos, sources)
+            run = self._promoter.promote(hashes, found, pos, sources)
             if not run:
                 break
             acquired += run

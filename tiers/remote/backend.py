@@ -8,7 +8,7 @@ A backend is a key-value store reached over the network, in batches, with four p
   its parts (a header and a payload, neither copied into one buffer), reporting each;
 * ``delete(route, keys)``: forgets keys (a value found corrupt).
 
-Keys are ASCII bytes; values are opaque byte strings (``remote_format`` gives them meaning).
+Keys are ASCII bytes; values are opaque byte strings (``format`` gives them meaning).
 A store may be spread over several endpoints (a Redis cluster's primaries): ``routes`` names the
 endpoint serving each key and every primitive works on one endpoint at a time, so the tier can
 run endpoints in parallel and cut off a failing one (its circuit breaker) without touching the

@@ -5,16 +5,16 @@ What the daemon calls (every call is batched and bounded in time):
 * ``lookup_prefix(hashes)``: how many leading blocks the store holds (one ``EXISTS`` round trip
   per endpoint, all endpoints at once);
 * ``get_into(hashes, outs)``: fetches the leading blocks into the caller's buffers, each checked
-  against its header and checksum (``remote_format``), stopping at the first block it cannot
+  against its header and checksum (``format``), stopping at the first block it cannot
   deliver;
 * ``write_behind(hash, data, meta, on_done)``: the disk tier's borrow contract. The block joins
   a bounded queue (a full one drops it at once, counted) and a writer thread stores it in
-  batches, skipping blocks the store already holds (``remote_writer``).
+  batches, skipping blocks the store already holds (``writer``).
 
 The store is a ``RemoteBackend``; capacity and eviction are its own. Nothing here waits longer
 than its timeout or raises for the store's faults: an endpoint that is down, slow or failing
 over gives counted misses (``fault_misses``), and after a few failed calls its circuit breaker
-cuts it off until a probe finds it answering again (``remote_routes``).
+cuts it off until a probe finds it answering again (``routes``).
 
 A call that times out returns while its worker may still be talking to the store; the borrowed
 buffers are guarded (``Borrow``) so that no copy into an ``out`` or from a ``data`` starts
@@ -71,7 +71,7 @@ class RemoteSettings:
 class RemoteTier:
     """Blocks of ``block_bytes`` of one layout in ``backend``, under the key ``prefix``.
 
-    ``prefix`` is the namespace the daemon builds (``remote_format.key_prefix``).
+    ``prefix`` is the namespace the daemon builds (``format.key_prefix``).
     ``on_event("stored", hash, meta)`` hears each block this tier wrote, from the writer's side,
     outside any lock; it must not block or call back into the tier.
     """

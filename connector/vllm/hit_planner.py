@@ -1,35 +1,81 @@
 """The scheduler side's lookups and load plans: what kvtier can load for a request, and the
-load of a hit vLLM accepted (a mixin of ``vllm_scheduler.SchedulerSide``, whose docstring
-tells the whole step)."""
+load of a hit vLLM accepted. ``SchedulerSide`` (``scheduler``, whose docstring tells the whole
+step) owns one ``HitPlanner`` and routes vLLM's hit questions to it."""
 
 from __future__ import annotations
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.groups import KVGroup
 from kvtier.connector.vllm.hits import Chain
-from kvtier.connector.vllm.lookup import Lookup
+from kvtier.connector.vllm.lookup import Lookup, Lookups
 from kvtier.connector.vllm.metadata import LoadSpec
 from kvtier.connector.vllm.request import PlannedLoad, RequestHashes, RequestState
+from kvtier.connector.vllm.stats import KVTierStats
 from kvtier.tiers.hashing import BlockHash
 
 
-class HitPlanning:
-    """Needs ``SchedulerSide``'s config, groups, ``align``, seeds, clients, request table,
-    lookups, loads and stats."""
+class HitPlanner:
+    """Owns the scheduler's request table, its lookups in flight and the loads planned for the
+    next step; ``seeds`` are each group's shard seeds in the current cache epoch."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        groups: list[KVGroup],
+        align: int,
+        hash_block_size: int | None,
+        seeds: list[list[BlockHash]],
+        clients: dict[str, DaemonClient],
+        stats: KVTierStats,
+    ):
+        self.config = config
+        self.groups = groups
+        self.align = align
+        self.hash_block_size = hash_block_size
+        self.seeds = seeds
+        self.clients = clients
+        self.client = clients[groups[0].layout.signature]
+        self.stats = stats
+        self.requests: dict[str, RequestState] = {}
+        self.loading: dict[str, RequestState] = {}
+        """Requests whose planned load has not proved good or landed yet."""
+        self.lookups = Lookups()
+        self.loads: list[LoadSpec] = []
+        """Loads planned since the last step's metadata took them."""
+
+    def take_loads(self) -> list[LoadSpec]:
+        loads, self.loads = self.loads, []
+        return loads
+
+    def reseed(self, seeds: list[list[BlockHash]]) -> None:
+        """Moves every request's hash chains to a new cache epoch; drops every answer."""
+        self.seeds = seeds
+        self.lookups.clear()
+        for state in self.requests.values():
+            for hashes, group_seeds in zip(state.hashes, seeds, strict=True):
+                hashes.reseed(group_seeds)
+            state.lookup = None
+
+    def forget(self, state: RequestState) -> None:
+        """Drops the request's answer: it is used up or the question changed."""
+        self.lookups.discard(state.lookup)
+        state.lookup = None
 
     def _state(self, request) -> RequestState:
-        state = self._requests.get(request.request_id)
+        state = self.requests.get(request.request_id)
         if state is None:
             hashes = [
                 RequestHashes(request, seeds, group.block_size, self.hash_block_size)
-                for group, seeds in zip(self.groups, self._seeds, strict=True)
+                for group, seeds in zip(self.groups, self.seeds, strict=True)
             ]
             state = RequestState.new(request, hashes)
-            self._requests[request.request_id] = state
+            self.requests[request.request_id] = state
         return state
 
-    def _hash(self, state: RequestState, num_tokens: int) -> int:
+    def hash_to(self, state: RequestState, num_tokens: int) -> int:
         """Hashes every group up to ``num_tokens``; returns the tokens hashed in every group,
         a multiple of ``align``. Whatever vLLM took back is no longer stored or asked."""
         end = num_tokens
@@ -39,7 +85,7 @@ class HitPlanning:
             cut = hashes.take_cut()
             if cut is not None:
                 state.stored_blocks[g] = min(state.stored_blocks[g], cut)
-                self._lookups.discard(state.lookup)
+                self.lookups.discard(state.lookup)
                 state.lookup = None
         return end // self.align * self.align
 
@@ -51,14 +97,14 @@ class HitPlanning:
             or (lookup.start, lookup.end) != (start, end)
             or lookup.stale(self.client.lookup_hold_s)
         ):
-            self._lookups.discard(lookup)
+            self.lookups.discard(lookup)
             chains = [
                 Chain(group, shard)
                 for group, hashes in zip(self.groups, state.hashes, strict=True)
                 for shard in hashes.per_shard(0, end // group.block_size)
             ]
             lookup = Lookup.ask(self._ask, chains, start, end, self.align)
-            self._lookups.add(lookup)
+            self.lookups.add(lookup)
             state.lookup = lookup
             self.stats.add("lookup_tokens", end - start)
         return lookup
@@ -75,7 +121,7 @@ class HitPlanning:
         hit then being 0, which a prompt that reaches kvtier usually has)."""
         state = self._state(request)
         if request.prompt_embeds is None:
-            end = self._hash(state, request.num_tokens - 1)
+            end = self.hash_to(state, request.num_tokens - 1)
             if end >= self._min_hit_tokens:
                 self._lookup(state, 0, end)
 
@@ -89,7 +135,7 @@ class HitPlanning:
         state = self._state(request)
         start = num_computed_tokens // self.align * self.align
         # Never the block holding the last token: vLLM needs one real forward for logits.
-        end = self._hash(state, request.num_tokens - 1)
+        end = self.hash_to(state, request.num_tokens - 1)
         if end - start < self._min_hit_tokens:
             return 0, False
         lookup = self._lookup(state, start, end)
@@ -105,11 +151,11 @@ class HitPlanning:
         group, the blocks the token after the hit attends to."""
         if num_external_tokens == 0:
             return
-        state = self._requests[request.request_id]
+        state = self.requests[request.request_id]
         assert state.offer is not None, "vLLM accepted a hit kvtier did not offer"
         start = state.offer_start
         end = start + num_external_tokens
-        self._hash(state, end)  # (rehashed if reset_cache came in between)
+        self.hash_to(state, end)  # (rehashed if reset_cache came in between)
         all_ids = blocks.get_block_ids()
         sync = not self.config.load_async
         planned = []
@@ -120,7 +166,7 @@ class HitPlanning:
             block_ids = list(all_ids[group.index][first:last])
             planned.append((first, block_ids))
             if block_ids:
-                self._loads.append(
+                self.loads.append(
                     LoadSpec(
                         req_id=request.request_id,
                         block_ids=block_ids,
@@ -133,7 +179,7 @@ class HitPlanning:
                 # Loaded, or (below a window) null: nothing of it is stored from here.
                 state.stored_blocks[g] = max(state.stored_blocks[g], last)
         state.load = PlannedLoad(start, planned, sync)
-        self._loading[request.request_id] = state
+        self.loading[request.request_id] = state
         offer = state.offer
         state.host_hit_tokens = min(offer.host_tokens, num_external_tokens)
         state.disk_hit_tokens = min(offer.disk_tokens, num_external_tokens - state.host_hit_tokens)
@@ -144,12 +190,12 @@ class HitPlanning:
         self.stats.add("disk_hit_tokens", state.disk_hit_tokens)
         self.stats.add("remote_hit_tokens", state.remote_hit_tokens)
         # The answer is used up: if vLLM asks again (the load failed), ask the daemon again.
-        self._lookups.discard(state.lookup)
-        state.lookup, state.offer = None, None
+        self.forget(state)
+        state.offer = None
 
     def hit_sources(self, request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         """``num_external_tokens`` split by the tier that holds them."""
-        state = self._requests.get(request.request_id)
+        state = self.requests.get(request.request_id)
         if state is None or num_external_tokens == 0:
             return {}
         split = {
@@ -164,9 +210,9 @@ class HitPlanning:
 
     @property
     def lookups_in_flight(self) -> int:
-        return self._lookups.in_flight()
+        return self.lookups.in_flight()
 
     def wait_for_lookups(self, timeout: float | None = None) -> bool:
         """Blocks until the daemon answered every lookup in flight; for tests, which want the
         steps they take not to depend on how fast it answers. vLLM never waits."""
-        return self._lookups.wait(timeout)
+        return self.lookups.wait(timeout)
