@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Heavy calls (a 65k-hash Lookup) run on worker threads in Python; the event loop must get
     # the GIL back from them within 0.5 ms, not the default 5 ms, or every small call waiting
-    # behind one pays it (kvtier bench daemon: small_lookup_p99_ms 8.2 -> 5.0-6.4 here).
+    # behind one pays it (``kvtier bench daemon``'s small_lookup_p99_ms shows it).
     sys.setswitchinterval(0.0005)
     try:
         config = config_mod.from_args(args)

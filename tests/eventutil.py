@@ -1,4 +1,4 @@
-"""A cache-aware router's side of vLLM's KV event stream, for the tests of #11.
+"""A cache-aware router's side of vLLM's KV event stream.
 
 ``Router`` subscribes to an engine's ZMQ publisher as llm-d or Dynamo do, asks the replay socket
 for whatever it missed, decodes each batch into vLLM's event types and, separately, as the plain

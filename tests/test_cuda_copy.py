@@ -74,7 +74,7 @@ def churn() -> None:
 @pytest.mark.parametrize("order", ORDERS)
 def test_round_trip_exact_with_busy_compute_and_reused_memory(order, via, monkeypatch):
     """Stores read, and loads write, exactly the blocks named, though the compute stream is
-    busy and every tensor freed on the way is reused at once (defects 1 and 3); through the
+    busy and every tensor freed on the way is reused at once; through the
     runtime library's cudaMemcpyAsync, and through torch where that library is not found."""
     if via == "torch":
         monkeypatch.setattr(cuda_copy, "runtime", lambda: None)
@@ -171,7 +171,7 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
     """Defect 4: the client's background thread registered the arena (a context on GPU 0).
 
     The arena lies on tmpfs as the daemon's does: Linux refuses to lock a writable shared
-    mapping of a disk file (seen on an H200 machine's 6.18 kernel, "invalid argument")."""
+    mapping of a disk file (recent kernels answer "invalid argument")."""
     path = SHM_DIR / f"kvtier-test-{uuid.uuid4().hex[:12]}"
     script = textwrap.dedent(
         f"""

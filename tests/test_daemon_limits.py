@@ -1,5 +1,5 @@
 """One client cannot starve the others, a disk tier that cannot open costs only the disk
-(issue #10), and a disk write in flight never changes what a lookup promises (#8): slot shares,
+and a disk write in flight never changes what a lookup promises: slot shares,
 disk faults and write-behind on the daemon's own ``Daemon`` object in process; the watcher cap
 and per-method request bounds on a real ``kvtier serve``."""
 
@@ -133,7 +133,7 @@ def test_a_new_layouts_files_are_private_and_its_empty_disk_tier_is_reported(
 
 
 def test_a_block_whose_disk_write_is_in_flight_is_a_host_hit(make_daemon, tmp_path, monkeypatch):
-    """#8 item 11: a commit is readable at once, its disk write behind it; while that write is
+    """A commit is readable at once, its disk write behind it; while that write is
     in flight Lookup answers a host hit, and Acquire delivers it from the host tier (the disk
     tier used to be written first, and a Lookup then promised a disk hit Acquire refused)."""
     writing, go_on = threading.Event(), threading.Event()

@@ -35,7 +35,7 @@ def code(fn, request) -> grpc.StatusCode:
 
 
 def test_a_session_id_is_useless_from_another_unix_connection(daemon):
-    """#10: gRPC names no unix peer, so a session id was a bearer token on the unix socket."""
+    """gRPC names no unix peer, so a session id was a bearer token on the unix socket."""
     mine, stub = daemon.stub()
     # its own subchannel pool: a connection of its own, not one shared with ``mine``
     options = [*contract.CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]

@@ -58,7 +58,7 @@ def assert_failed_cleanly(d: Daemon, code: int, *words: str) -> str:
 
 
 def test_two_daemons_with_default_stats_ports_both_serve(daemons):
-    """Issue #10 defect 6: every daemon took 9477; the second failed with a traceback."""
+    """every daemon took 9477; the second failed with a traceback."""
     first = daemons(stats_port=None).start()
     second = daemons(stats_port=None).start()
     urls = {first.stats_url, second.stats_url}
@@ -94,7 +94,7 @@ def test_taken_stats_port_asked_for_is_a_clean_start_error(daemons):
 
 
 def test_a_second_daemon_on_the_same_data_directory_refuses_to_start(daemons):
-    """Issue #10 defect 5: two names, one --data-dir: both handed out the same disk slots."""
+    """two names, one --data-dir: both handed out the same disk slots."""
     first = daemons().start()
     second = daemons(extra=["--data-dir", str(first.root / "data")])
     code = second.run_to_exit()
@@ -121,7 +121,7 @@ sys.stdin.read()
 
 
 def test_disk_tier_in_use_is_a_clean_start_error(daemons):
-    """Issue #10 defect 5 from the daemon's side: a second daemon on one data directory."""
+    """From the daemon's side: a second daemon on one data directory."""
     d = daemons()
     save_namespace(d)
     holder = subprocess.Popen(
@@ -140,7 +140,7 @@ def test_disk_tier_in_use_is_a_clean_start_error(daemons):
 
 @pytest.mark.parametrize("kind", ["file", "directory", "symlink"])
 def test_only_a_socket_is_ever_removed_at_the_socket_path(daemons, kind):
-    """Issue #10 defect 7: a regular file at --socket was deleted."""
+    """a regular file at --socket was deleted."""
     d = daemons()
     d.root.mkdir(exist_ok=True)
     if kind == "file":
@@ -219,7 +219,7 @@ def test_a_client_does_not_connect_through_a_directory_others_can_write(caplog):
 
 
 def test_socket_directory_of_another_user_is_refused(tmp_path):
-    """Issue #10 defect 2: another user creates the predictable directory first."""
+    """another user creates the predictable directory first."""
     if ROOT:
         squatted = tmp_path / "kvtier-squat"
         squatted.mkdir(mode=0o700)
@@ -244,7 +244,7 @@ def test_symlink_of_another_user_in_the_path_is_refused(tmp_path):
 
 
 def test_config_of_the_wrong_type_names_the_key_and_file(tmp_path):
-    """Issue #10 defect 11: wrong types gave tracebacks; errors about a file name it."""
+    """wrong types gave tracebacks; errors about a file name it."""
     toml = tmp_path / "kvtier.toml"
     cases = {
         'stats_port = "9000"': "stats_port must be an integer",

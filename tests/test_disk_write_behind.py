@@ -124,7 +124,7 @@ def test_each_block_is_told_once_even_when_stored_twice(tmp_path):
 
 
 def test_a_failed_batch_is_reported_to_its_own_blocks_only(tmp_path, monkeypatch, caplog):
-    """Issue #10 defect 4: a failure went to whoever flushed next. Caller A's blocks fall in
+    """a failure went to whoever flushed next. Caller A's blocks fall in
     a failed write; caller B's, stored after it, are fine, and B's flush does not raise."""
     fail = threading.Event()
     write = disk_slots.SlotFile.write

@@ -414,7 +414,7 @@ def test_outputs_depend_on_the_whole_prefix(baseline: dict) -> None:
 def test_abort_during_async_load_keeps_engine_alive(
     store_policy: str, model_dir: Path, baseline: dict
 ) -> None:
-    """A request aborted while its async load is in flight (issue #8 item 1); then the same
+    """A request aborted while its async load is in flight; then the same
     EngineCore serves more requests, the aborted prompts among them, with outputs unchanged."""
     daemon = start_daemon()
     engine = None

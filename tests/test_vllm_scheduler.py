@@ -1,4 +1,4 @@
-"""The scheduler side of KVTierConnector under vLLM 0.33's real Scheduler (issue #8, items 1-7).
+"""The scheduler side of KVTierConnector under vLLM 0.33's real Scheduler.
 
 Each test drives vLLM's own ``Scheduler`` with the fake model runner of
 ``test_vllm_connector`` (which checks, token by token, that every block a request reads holds

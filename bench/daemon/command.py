@@ -138,8 +138,8 @@ def lookup_figures(target: str, block_bytes: int, args: argparse.Namespace) -> d
 
 
 def run(args: argparse.Namespace) -> int:
-    # One thread per copy, like a copy stream: torch's intra-op pool makes 0.5 MiB copies
-    # up to 100x slower on a busy 2-core machine (thread wake-ups, not bandwidth).
+    # One thread per copy, like a copy stream: torch's intra-op pool makes small copies far
+    # slower on a busy machine (thread wake-ups, not bandwidth).
     torch.set_num_threads(1)
     block_bytes = args.block_kib << 10
     slots = args.hashes + 2 * args.batch * args.rounds

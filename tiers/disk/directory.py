@@ -13,7 +13,7 @@ page's ``last_pg + 1``, so a file that holds all those pages can be read without
 whatever it was truncated to. Garbage inside B-tree pages (a leaf entry claiming a huge
 overflow value, say) can still send LMDB past the file's end, which no cheap check rules out;
 so unless the file is exactly as the last clean close left it, opening also walks every
-database in a child process (``verify_in_child``: about 30 ms plus 0.5 s per million blocks),
+database in a child process (``verify_in_child``, whose cost grows with the number of blocks),
 and a child killed by a signal means damage. Damage found either way, or an LMDB error that
 means a damaged file while opening and recovering, moves the index aside (``move_aside``) and
 the tier starts empty.

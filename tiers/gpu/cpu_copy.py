@@ -1,7 +1,8 @@
 """Block copies on a CPU: synchronous memcpy runs, and row copies for other page orders.
 
 On a CPU, numpy's copy of a few MiB runs at memcpy speed, while torch's ``index_copy_`` and
-``copy_`` on uint8 rows ran 5-15x slower on the machines we measured; numpy releases the GIL
+``copy_`` on uint8 rows run several times slower (``kvtier bench tiers`` compares them with
+memcpy); numpy releases the GIL
 while it copies, so a large batch is split across a few threads, as one core alone cannot
 saturate memory bandwidth. Nothing here allocates per transfer.
 """

@@ -2,9 +2,8 @@
 
 Two things need it: page-locking host memory (``pinned``), because torch's own binding cannot
 clear a failed call's error, and the copy path's ``cudaMemcpyAsync`` (``cuda_copy``), because
-queuing a run through ``Tensor.copy_`` costs the engine's thread three times as much: 32
-scattered 2 MiB blocks took 295 µs through ``copy_`` and 95 µs through ctypes on an H200, most
-of the latter the driver's own cost per copy.
+queuing a run through ``Tensor.copy_`` costs the engine's thread several times what the
+driver's own call does (``kvtier bench gpu``'s ``engine_thread_sync_ms`` shows it).
 """
 
 from __future__ import annotations
