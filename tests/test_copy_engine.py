@@ -14,7 +14,7 @@ from kvtier.tiers.gpu.cpu_copy import copy_rows
 from kvtier.tiers.gpu.cuda_copy import PinnedIds, StagingRing
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.plan import Run, check_pairs, chunk_ranges, plan_runs
-from kvtier.tiers.gpu.runtime import MEMCPY_DEFAULT, copy_runs
+from kvtier.tiers.gpu.runtime import MEMCPY_DEFAULT, SRC_ACCESS_ORDER_STREAM, copy_runs
 from kvtier.tiers.gpu.transfer import CompletionQueue, Transfer
 from kvtier.tiers.layout import KVLayout
 
@@ -229,3 +229,58 @@ def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
         with pytest.raises(IndexError):
             copy_runs(lib, stream, host, device, [bad], to_host=True)
     assert lib.calls == 4
+
+
+class BatchRuntime(MemmoveRuntime):
+    """A runtime with ``cudaMemcpyBatchAsync`` in the signature of its ``version`` (12.8 has
+    a ``failIdx`` before the stream, 13.0 not); ``refuse`` answers every batch with an error."""
+
+    def __init__(self, version: int, refuse: bool = False) -> None:
+        super().__init__()
+        self.version, self.refuse, self.batches = version, refuse, 0
+
+    def cudaRuntimeGetVersion(self, out) -> int:
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int))[0] = self.version
+        return 0
+
+    def cudaGetLastError(self) -> int:
+        return 0
+
+    def cudaMemcpyBatchAsync(self, dsts, srcs, sizes, count, attrs, idxs, num_attrs, *rest):
+        assert len(rest) == (2 if self.version < 13000 else 1) and rest[-1] == 7
+        assert list(idxs) == [0] and num_attrs == 1
+        assert attrs._obj.srcAccessOrder == SRC_ACCESS_ORDER_STREAM
+        if self.refuse:
+            return 801
+        for i in range(count):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        self.batches += 1
+        return 0
+
+
+@pytest.mark.parametrize("version", [12080, 13000])
+def test_a_transfer_goes_to_the_runtime_as_one_batch_in_either_signature(version):
+    lib, stream = BatchRuntime(version), SimpleNamespace(cuda_stream=7)
+    device = torch.arange(64, dtype=torch.uint8)
+    host = torch.zeros(32, dtype=torch.uint8)
+    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    copy_runs(lib, stream, host, device, runs, to_host=True)
+    assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
+    back = torch.zeros(64, dtype=torch.uint8)
+    copy_runs(lib, stream, host, back, runs, to_host=False)
+    assert torch.equal(back[8:16], device[8:16]) and torch.equal(back[40:56], device[40:56])
+    assert (lib.batches, lib.calls) == (2, 0)
+    with pytest.raises(IndexError):
+        copy_runs(lib, stream, host, device, [*runs, Run(device=56, host=0, nbytes=16)], True)
+    assert lib.batches == 2
+
+
+def test_a_runtime_that_refuses_a_batch_gets_one_copy_per_run_from_then_on():
+    lib, stream = BatchRuntime(13000, refuse=True), SimpleNamespace(cuda_stream=7)
+    device = torch.arange(64, dtype=torch.uint8)
+    host = torch.zeros(32, dtype=torch.uint8)
+    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    for _ in range(2):
+        copy_runs(lib, stream, host, device, runs, to_host=True)
+    assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
+    assert (lib.batches, lib.calls) == (0, 4)

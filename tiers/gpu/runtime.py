@@ -19,6 +19,28 @@ from kvtier.tiers.gpu.plan import Run
 
 MEMCPY_DEFAULT = 4
 """cudaMemcpyDefault: the direction follows from the pointers (unified addressing)."""
+SRC_ACCESS_ORDER_STREAM = 1
+"""cudaMemcpySrcAccessOrderStream: a batch reads its sources in stream order, as one
+``cudaMemcpyAsync`` does."""
+BATCH_SINCE = 12080
+"""The runtime version that brought ``cudaMemcpyBatchAsync``; 13.0 dropped its ``failIdx``."""
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = (
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    )
+
+
+_STREAM_ORDER = _MemcpyAttributes(SRC_ACCESS_ORDER_STREAM)
+_FIRST_COPY = (ctypes.c_size_t * 1)(0)
 
 
 class CudaError(RuntimeError):
@@ -53,6 +75,32 @@ def runtime() -> ctypes.CDLL | None:
     return None
 
 
+class _Batch:
+    """Whether a runtime queues a transfer's runs in one ``cudaMemcpyBatchAsync``, and with
+    which signature; a runtime that refuses one batch is not asked again."""
+
+    def __init__(self, lib) -> None:
+        version = ctypes.c_int(0)
+        get_version = getattr(lib, "cudaRuntimeGetVersion", None)
+        if get_version is None or get_version(ctypes.byref(version)):
+            version.value = 0
+        self.fn = (
+            getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= BATCH_SINCE else None
+        )
+        self.has_fail_index = version.value < 13000
+        if self.fn is not None and isinstance(lib, ctypes.CDLL):
+            pointers = ctypes.POINTER(ctypes.c_void_p)
+            sizes = ctypes.POINTER(ctypes.c_size_t)
+            args = [pointers, pointers, sizes, ctypes.c_size_t]
+            args += [ctypes.POINTER(_MemcpyAttributes), sizes, ctypes.c_size_t]
+            self.fn.argtypes = (*args, *([sizes] if self.has_fail_index else []), ctypes.c_void_p)
+
+
+@functools.cache
+def _batch(lib) -> _Batch:
+    return _Batch(lib)
+
+
 def copy_runs(
     lib: ctypes.CDLL | None,
     stream: torch.cuda.Stream,
@@ -61,10 +109,11 @@ def copy_runs(
     runs: Sequence[Run],
     to_host: bool,
 ) -> None:
-    """Queues one ``cudaMemcpyAsync`` per run on ``stream`` between flat ``host`` and
-    ``device`` buffers, through torch where no runtime library ``lib`` was found; raises
-    ``CudaError`` (error cleared) or ``IndexError`` (nothing queued for that run) instead of
-    touching bytes outside either buffer."""
+    """Queues the runs on ``stream`` between flat ``host`` and ``device`` buffers: in one
+    ``cudaMemcpyBatchAsync`` where the runtime has it (one call into the driver for the whole
+    transfer), else one ``cudaMemcpyAsync`` per run, and through torch where no runtime
+    library ``lib`` was found. Raises ``CudaError`` (error cleared) or ``IndexError`` (nothing
+    queued) instead of touching bytes outside either buffer."""
     if lib is None:
         with torch.cuda.stream(stream):
             for run in runs:
@@ -74,13 +123,49 @@ def copy_runs(
         return
     host_ptr, host_end = host.data_ptr(), host.numel()
     dev_ptr, dev_end = device.data_ptr(), device.numel()
-    handle, memcpy = stream.cuda_stream, lib.cudaMemcpyAsync
     for run in runs:
         if run.host + run.nbytes > host_end or run.device + run.nbytes > dev_end:
             raise IndexError(f"{run} lies outside {host_end} host / {dev_end} device bytes")
+    batch = _batch(lib)
+    if (
+        batch.fn is not None
+        and len(runs) > 1
+        and _copy_batch(lib, batch, stream, host_ptr, dev_ptr, runs, to_host)
+    ):
+        return
+    handle, memcpy = stream.cuda_stream, lib.cudaMemcpyAsync
+    for run in runs:
         h, d = host_ptr + run.host, dev_ptr + run.device
         dst, src = (h, d) if to_host else (d, h)
         err = memcpy(dst, src, run.nbytes, MEMCPY_DEFAULT, handle)
         if err:
             lib.cudaGetLastError()
             raise CudaError(f"cudaMemcpyAsync of {run}: {lib.cudaGetErrorString(err).decode()}")
+
+
+def _copy_batch(
+    lib, batch: _Batch, stream, host_ptr: int, dev_ptr: int, runs: Sequence[Run], to_host: bool
+) -> bool:
+    """Queues every run in one batch; False (error cleared, batches off for this runtime) if
+    the runtime refuses it, for the caller to queue them one by one: a copy the refused batch
+    may have queued already is then queued again, which writes the same bytes."""
+    count = len(runs)
+    hosts = [host_ptr + run.host for run in runs]
+    devs = [dev_ptr + run.device for run in runs]
+    dsts, srcs = (hosts, devs) if to_host else (devs, hosts)
+    args = [
+        (ctypes.c_void_p * count)(*dsts),
+        (ctypes.c_void_p * count)(*srcs),
+        (ctypes.c_size_t * count)(*[run.nbytes for run in runs]),
+        count,
+        ctypes.byref(_STREAM_ORDER),
+        _FIRST_COPY,
+        1,
+    ]
+    if batch.has_fail_index:
+        args.append(ctypes.byref(ctypes.c_size_t(0)))
+    if not batch.fn(*args, stream.cuda_stream):
+        return True
+    lib.cudaGetLastError()
+    batch.fn = None
+    return False
