@@ -23,10 +23,11 @@ import torch
 from kvtier.connector.client.arena import ArenaView
 from kvtier.connector.vllm.layout import kv_placement
 from kvtier.service.arena import Arena
-from kvtier.tiers.gpu.copy_engine import DEFAULT_STAGING_BYTES, CopyEngine
+from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.tunables import TUNABLES
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +126,7 @@ def connector_rates(
     batch: int,
     iters: int,
     pcie_gbps: float,
-    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    staging_bytes: int = TUNABLES.staging_bytes,
 ) -> ConnectorRates:
     """Best-of-``iters`` GB/s of ``batch``-block stores, loads and both at once."""
     if num_blocks < 3 * batch:

@@ -35,6 +35,7 @@ import time
 import lmdb
 
 from kvtier.tiers.disk.slots import DATA_FILE
+from kvtier.tiers.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ LOCK_FILE = "kvtier.lock"
 CLEAN_FILE = "kvtier.clean"
 LMDB_FILE = "data.mdb"
 DAMAGED_TAG = ".damaged-"
-VERIFY_TIMEOUT_S = 600.0
-"""A walk of an index of millions of blocks takes seconds; one that hangs this long is damage."""
 
 # LMDB 0.9 (data format 1) on a 64-bit host: a page header (pgno, pad, flags, lower, upper)
 # and, after it, the meta: magic, version, address, map size, the free and main databases
@@ -164,10 +163,10 @@ def verify_in_child(path: str) -> str | None:
             [sys.executable, "-c", _WALK, path],
             cwd="/",
             capture_output=True,
-            timeout=VERIFY_TIMEOUT_S,
+            timeout=TUNABLES.disk_verify_timeout_s,
         )
     except subprocess.TimeoutExpired:
-        return f"reading it did not finish in {VERIFY_TIMEOUT_S:.0f} s"
+        return f"reading it did not finish in {TUNABLES.disk_verify_timeout_s:.0f} s"
     except OSError as exc:
         log.warning("disk tier %s: could not start the index check: %s", path, exc)
         return None

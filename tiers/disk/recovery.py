@@ -24,21 +24,16 @@ from kvtier.tiers.disk.directory import TierDirectory, is_damage
 from kvtier.tiers.disk.index import BlockIndex, Entry
 from kvtier.tiers.disk.slots import DATA_FILE, BufferPool, SlotFile, SlotTable, slot_stride
 from kvtier.tiers.ratelog import RateLimitedLog
+from kvtier.tiers.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
 
-# A batch takes at most this many bytes of new blocks (and at most an eighth of the budget):
-# enough to amortise its fdatasync and commit; it is also the number of spare slots.
-_MAX_BATCH_BYTES = 64 << 20
 # Map bytes per slot: its index entry with the largest meta (two overflow pages), its order
 # entry, B-tree pages and the pages older snapshots still hold, with room to spare; plus a
-# slack for meta pages; the default map is never below _MAP_FLOOR. The map is address space
-# only: the file grows as used.
+# slack for meta pages; the default map is never below ``disk_map_floor_bytes``. The map is
+# address space only: the file grows as used.
 _INDEX_BYTES = 12 << 10
 _MAP_SLACK = 256 << 10
-_MAP_FLOOR = 64 << 20
-# How many batches of returned put buffers the pool keeps warm.
-_POOL_BATCHES = 2
 
 
 def plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
@@ -51,9 +46,11 @@ def plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[i
             f"capacity {capacity_bytes} B or map size {map_size} B holds no block of "
             f"{block_bytes} B"
         )
-    batch = max(1, min(_MAX_BATCH_BYTES // block_bytes, capacity // 8))
+    batch = max(1, min(TUNABLES.disk_batch_bytes // block_bytes, capacity // 8))
     if map_size is None:
-        map_size = max(_MAP_FLOOR, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES)
+        map_size = max(
+            TUNABLES.disk_map_floor_bytes, _MAP_SLACK + (capacity + batch) * _INDEX_BYTES
+        )
     return capacity, batch, map_size
 
 
@@ -84,7 +81,9 @@ def open_state(
     Returns the tier's shared state, ``counters`` set to what recovery found.
     """
     total_slots = capacity_blocks + spare_slots
-    pool = BufferPool(slot_stride(block_bytes), min(total_slots, _POOL_BATCHES * spare_slots))
+    pool = BufferPool(
+        slot_stride(block_bytes), min(total_slots, TUNABLES.disk_pool_batches * spare_slots)
+    )
 
     def attempt() -> tuple[BlockIndex, SlotFile, Recovered]:
         index = BlockIndex(directory.path, map_size=map_size, sync=sync)

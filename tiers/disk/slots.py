@@ -24,6 +24,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvtier.tiers.tunables import TUNABLES
+
 log = logging.getLogger(__name__)
 
 DATA_FILE = "blocks.dat"
@@ -33,7 +35,6 @@ PAGE = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 forces the buffered path (tests set it so)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_TOUCH_MIN = 256 << 10  # smaller copies are not worth a hand-off to the helper thread
 
 
 def slot_stride(block_bytes: int) -> int:
@@ -150,7 +151,11 @@ class SlotFile:
             rest = dst[head:]
             # Faulting in a new buffer's pages costs as much as reading them, so for a large
             # copy a helper thread touches them while this one waits on the device.
-            touched = self._toucher.submit(_touch, rest) if len(rest) >= _TOUCH_MIN else None
+            touched = (
+                self._toucher.submit(_touch, rest)
+                if len(rest) >= TUNABLES.disk_touch_bytes
+                else None
+            )
             buf = self._pool.acquire()
             try:
                 with memoryview(buf) as view:

@@ -27,11 +27,11 @@ from typing import Any
 import lmdb
 
 from kvtier.tiers.disk.commit import FLUSH, PUT, STOP, TOUCH, BatchCommitter, DiskState, Event
+from kvtier.tiers.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
 
 OnEvent = Callable[[str, bytes, bytes], None]
-_MAX_DEFERRED_TOUCHES = 4096
 
 
 class Flush:
@@ -96,7 +96,7 @@ class DiskWriter:
                 # Access-order bumps alone are not worth a synced commit per read burst: they
                 # ride along with the next commit that stores, drops or flushes. A crash loses
                 # only some LRU precision, never a block.
-                if len(touches) + len(batch) < _MAX_DEFERRED_TOUCHES and all(
+                if len(touches) + len(batch) < TUNABLES.disk_deferred_touches and all(
                     op == TOUCH for op, _, _ in batch
                 ):
                     touches += batch

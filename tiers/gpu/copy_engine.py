@@ -34,12 +34,9 @@ from kvtier.tiers.gpu.pinned import (
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.plan import check_pairs, plan_runs
 from kvtier.tiers.gpu.transfer import Callback, CompletionQueue, Transfer
+from kvtier.tiers.tunables import TUNABLES
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_STAGING_BYTES = 128 << 20
-"""GPU staging for engines whose KV order is not the canonical one: two slots of 32 MiB per
-direction, allocated once. Engines in the canonical order allocate none."""
 
 
 class CopyEngine:
@@ -51,7 +48,7 @@ class CopyEngine:
         slab: torch.Tensor,
         *,
         counters: TierCounters | None = None,
-        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_bytes: int = TUNABLES.staging_bytes,
     ):
         block_bytes = placement.layout.block_bytes
         if slab.dim() != 2 or slab.shape[1] != block_bytes or slab.dtype != torch.uint8:

@@ -18,8 +18,7 @@ import torch
 
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.plan import Run
-
-_PARALLEL_COPY_BYTES = 8 << 20
+from kvtier.tiers.tunables import TUNABLES
 
 
 def copy_rows(
@@ -35,7 +34,7 @@ def copy_ranges(dst: np.ndarray, src: np.ndarray, runs: Sequence[tuple[int, int,
     """Copies ``(dst_offset, src_offset, nbytes)`` ranges between flat byte arrays."""
     threads = torch.get_num_threads()
     total = sum(n for _, _, n in runs)
-    if threads < 2 or len(runs) < 2 or total < _PARALLEL_COPY_BYTES:
+    if threads < 2 or len(runs) < 2 or total < TUNABLES.parallel_copy_bytes:
         _copy(dst, src, runs)
         return
     parts = [runs[i::threads] for i in range(threads)]

@@ -26,12 +26,11 @@ import torch
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.plan import chunk_ranges, plan_runs
 from kvtier.tiers.gpu.runtime import copy_runs, runtime
+from kvtier.tiers.tunables import TUNABLES
 
 logger = logging.getLogger(__name__)
 
 STORE, LOAD = "store", "load"
-_READY_ID_BUFFERS = 4
-"""Id buffers allocated with the copier: one per transfer in flight through the ring."""
 _HIGH_PRIORITY = -1
 """Stream priority of the ring's gather and scatter kernels (lower is sooner)."""
 
@@ -112,7 +111,7 @@ class CudaCopier:
         self.placement = placement
         self.device = placement.device
         # ids travel only through the ring; a transfer names at most every block once
-        ready = 0 if placement.block_contiguous else _READY_ID_BUFFERS
+        ready = 0 if placement.block_contiguous else TUNABLES.ring_id_buffers
         self.ids = PinnedIds(ready=ready, capacity=placement.num_blocks)
         self._runtime = runtime()
         self._dma = {d: torch.cuda.Stream(self.device) for d in (STORE, LOAD)}

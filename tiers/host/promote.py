@@ -18,9 +18,7 @@ from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host.slots import READY, SlotTable
 from kvtier.tiers.lower import DiskTierLike, LowerHits, RemoteTierLike
-
-PROMOTE_WAIT_S = 0.25
-"""Most a promotion waits for a host slot to come free when every slot is in use."""
+from kvtier.tiers.tunables import TUNABLES
 
 
 @dataclass(frozen=True)
@@ -88,11 +86,11 @@ class Promoter:
         """Promotes one disk hit into a pinned slot, or None.
 
         When every slot is in use, it first ends lookup holds (``reclaim``), then waits up to
-        ``PROMOTE_WAIT_S`` for a slot to come free: reads, writes behind and reservations end
+        ``promote_wait_s`` for a slot to come free: reads, writes behind and reservations end
         within milliseconds, and a hit the engine was promised is worth that wait more than a
         recompute.
         """
-        deadline = time.monotonic() + PROMOTE_WAIT_S
+        deadline = time.monotonic() + TUNABLES.promote_wait_s
         with self._lock:
             while True:
                 slot = self._slots.index.get(block_hash)

@@ -1,0 +1,56 @@
+"""The numbers that decide how the tiers behave, in one place, each with why it is what it is.
+
+They are not flags: each one is a measured trade-off, and changing it changes the trade. The
+tiers read the one instance, ``TUNABLES``; sizes a deployment chooses (tier capacities, the
+flush interval) are arguments and daemon settings instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierTunables:
+    promote_wait_s: float = 0.25
+    """Most a promotion waits for a host slot to come free when every slot is in use: reads,
+    writes behind and reservations end within milliseconds, and a hit the engine was promised
+    is worth that wait more than a recompute."""
+
+    disk_batch_bytes: int = 64 << 20
+    """Most new bytes one disk batch writes (and at most an eighth of the budget): enough to
+    amortise its fdatasync and LMDB commit; it is also the disk tier's number of spare slots."""
+
+    disk_pool_batches: int = 2
+    """Batches of returned put buffers the disk tier keeps warm, so a burst allocates none."""
+
+    disk_map_floor_bytes: int = 64 << 20
+    """Smallest LMDB map: address space only (the file grows as used), and room for a small
+    tier's meta pages."""
+
+    disk_deferred_touches: int = 4096
+    """Access-order bumps that wait for the next commit that stores, drops or flushes: a read
+    burst is not worth a synced commit of its own, and a crash loses only LRU precision."""
+
+    disk_touch_bytes: int = 256 << 10
+    """Smallest read whose fresh pages a helper thread faults in while the reader waits on the
+    device: below it the hand-off costs more than the faults."""
+
+    disk_verify_timeout_s: float = 600.0
+    """A walk of an index of millions of blocks takes seconds; one that hangs this long is
+    damage."""
+
+    parallel_copy_bytes: int = 8 << 20
+    """Smallest CPU copy split across threads: one core alone cannot saturate memory
+    bandwidth, but a small copy is not worth waking the others."""
+
+    staging_bytes: int = 128 << 20
+    """GPU staging for engines whose KV order is not the canonical one: two slots of 32 MiB
+    per direction, allocated once. Engines in the canonical order allocate none."""
+
+    ring_id_buffers: int = 4
+    """Pinned block-id buffers made with a copier that stages: one per transfer in flight
+    through the ring, so no transfer allocates."""
+
+
+TUNABLES = TierTunables()
