@@ -1,10 +1,11 @@
 """``kvtier bench gpu``: PCIe ceiling, kvtier's copy rates against it, TTFT and zero-reuse cost.
 
 Needs a CUDA device; without one it says so and exits with status 2. Every rate is printed
-beside the ceiling measured in the same run. ``connector_*`` keys measure the vLLM
-connector's path (vLLM's ``BLHNC`` tensors, scattered ids, the daemon's arena, a busy compute
-stream; ``connector_lbhnc_*`` the same through the staging ring); ``h2d_ratio`` and
-``d2h_ratio`` are the reference pool's ``CopyEngine`` over the pinned-memcpy ceiling.
+beside the ceiling measured in the same run. ``copy_*`` keys measure the vLLM connector's
+copies alone (vLLM's ``BLHNC`` tensors, scattered ids, the daemon's arena mapped in-process,
+a busy compute stream, no daemon and no calls; ``copy_lbhnc_*`` the same through the staging
+ring); ``e2e_*`` keys the connector's whole call sequence through a real daemon from two
+client processes (``e2e``); ``pool_*`` the reference pool's ``CopyEngine``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from kvtier.bench.gpu.connector import connector_rates, step_cost
 from kvtier.bench.gpu.copies import VLLM_LIKE_LAYOUT, copy_engine_rates, pcie_ceiling
+from kvtier.bench.gpu.e2e import CLIENTS, end_to_end
 from kvtier.bench.gpu.engine import BLOCK_SIZE, measure_ttft, measure_zero_reuse
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import Decoder
@@ -42,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--connector-batch", type=int, default=256, help="scattered blocks per transfer"
     )
+    parser.add_argument(
+        "--e2e-blocks",
+        type=int,
+        nargs="+",
+        default=[32, 128],
+        help="blocks per request of the end-to-end runs through a real daemon",
+    )
+    parser.add_argument("--e2e-requests", type=int, default=4, help="requests per e2e client")
+    parser.add_argument("--e2e-small-loads", type=int, default=50, help="timed 4-block loads")
     parser.add_argument("--steps", type=int, default=40, help="serving steps for step costs")
     parser.add_argument("--step-ms", type=float, default=10.0, help="compute per step")
     parser.add_argument("--step-blocks", type=int, default=32, help="blocks stored per step")
@@ -82,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         )
         for order in ("BLHNC", "LBHNC")
     }
+    e2e = [
+        end_to_end(layout, blocks, args.e2e_requests, args.e2e_small_loads)
+        for blocks in args.e2e_blocks
+    ]
     steps = step_cost(layout, args.connector_blocks, args.step_blocks, args.steps, args.step_ms)
     blhnc, lbhnc = path["BLHNC"], path["LBHNC"]
     config = MODELS[args.model]()
@@ -101,28 +116,40 @@ def run(args: argparse.Namespace) -> int:
         "pcie_h2d_gbps": round(ceiling.h2d_gbps, 2),
         "pcie_d2h_gbps": round(ceiling.d2h_gbps, 2),
         "pcie_bidir_gbps": round(ceiling.bidir_gbps, 2),
-        "copy_block_bytes": rates.block_bytes,
-        "copy_blocks": rates.blocks,
-        "copy_h2d_gbps": round(rates.h2d_gbps, 2),
-        "copy_d2h_gbps": round(rates.d2h_gbps, 2),
-        "h2d_ratio": round(rates.h2d_gbps / ceiling.h2d_gbps, 3),
-        "d2h_ratio": round(rates.d2h_gbps / ceiling.d2h_gbps, 3),
-        "copy_round_trip_exact": rates.round_trip_exact,
-        "connector_d2h_gbps": round(blhnc.d2h_gbps, 2),
-        "connector_h2d_gbps": round(blhnc.h2d_gbps, 2),
-        "connector_d2h_ratio": round(blhnc.d2h_gbps / ceiling.d2h_gbps, 3),
-        "connector_h2d_ratio": round(blhnc.h2d_gbps / ceiling.h2d_gbps, 3),
-        "connector_bidir_gbps": round(blhnc.bidir_gbps, 2),
-        "connector_bidir_ratio": round(blhnc.bidir_gbps / ceiling.bidir_gbps, 3),
-        "connector_round_trip_exact": blhnc.round_trip_exact and lbhnc.round_trip_exact,
-        "connector_arena_pinned": blhnc.host_pinned and lbhnc.host_pinned,
+        "pool_block_bytes": rates.block_bytes,
+        "pool_blocks": rates.blocks,
+        "pool_h2d_gbps": round(rates.h2d_gbps, 2),
+        "pool_d2h_gbps": round(rates.d2h_gbps, 2),
+        "pool_h2d_ratio": round(rates.h2d_gbps / ceiling.h2d_gbps, 3),
+        "pool_d2h_ratio": round(rates.d2h_gbps / ceiling.d2h_gbps, 3),
+        "pool_round_trip_exact": rates.round_trip_exact,
+        "copy_d2h_gbps": round(blhnc.d2h_gbps, 2),
+        "copy_h2d_gbps": round(blhnc.h2d_gbps, 2),
+        "copy_d2h_ratio": round(blhnc.d2h_gbps / ceiling.d2h_gbps, 3),
+        "copy_h2d_ratio": round(blhnc.h2d_gbps / ceiling.h2d_gbps, 3),
+        "copy_bidir_gbps": round(blhnc.bidir_gbps, 2),
+        "copy_bidir_ratio": round(blhnc.bidir_gbps / ceiling.bidir_gbps, 3),
+        "copy_round_trip_exact": blhnc.round_trip_exact and lbhnc.round_trip_exact,
+        "copy_arena_pinned": blhnc.host_pinned and lbhnc.host_pinned,
         "staging_bytes": blhnc.staging_bytes,
-        "connector_lbhnc_d2h_gbps": round(lbhnc.d2h_gbps, 2),
-        "connector_lbhnc_h2d_gbps": round(lbhnc.h2d_gbps, 2),
-        "connector_lbhnc_d2h_ratio": round(lbhnc.d2h_gbps / ceiling.d2h_gbps, 3),
-        "connector_lbhnc_h2d_ratio": round(lbhnc.h2d_gbps / ceiling.h2d_gbps, 3),
-        "connector_lbhnc_bidir_gbps": round(lbhnc.bidir_gbps, 2),
+        "copy_lbhnc_d2h_gbps": round(lbhnc.d2h_gbps, 2),
+        "copy_lbhnc_h2d_gbps": round(lbhnc.h2d_gbps, 2),
+        "copy_lbhnc_d2h_ratio": round(lbhnc.d2h_gbps / ceiling.d2h_gbps, 3),
+        "copy_lbhnc_h2d_ratio": round(lbhnc.h2d_gbps / ceiling.h2d_gbps, 3),
+        "copy_lbhnc_bidir_gbps": round(lbhnc.bidir_gbps, 2),
         "lbhnc_staging_bytes": lbhnc.staging_bytes,
+        **{
+            f"e2e_{key}_{run.blocks_per_request}": value
+            for run in e2e
+            for key, value in (
+                ("store_gbps", round(run.store_gbps, 2)),
+                ("load_gbps", round(run.load_gbps, 2)),
+                ("store_ratio", round(run.store_gbps / ceiling.d2h_gbps, 3)),
+                ("load_ratio", round(run.load_gbps / ceiling.h2d_gbps, 3)),
+            )
+        },
+        "e2e_load4_ms": round(min(run.load4_ms for run in e2e), 3),
+        "e2e_round_trip_exact": all(run.exact for run in e2e),
         "engine_thread_sync_ms": round(steps.sync_ms, 4),
         "step_ms_connector_off": round(steps.step_ms_off, 3),
         "step_ms_connector_on": round(steps.step_ms_on, 3),
@@ -151,19 +178,26 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"kvtier pool CopyEngine, {rates.blocks} x {rates.block_bytes >> 20} MiB blocks: "
-        f"H2D {out['copy_h2d_gbps']} GB/s ({out['h2d_ratio']:.0%} of ceiling), "
-        f"D2H {out['copy_d2h_gbps']} GB/s ({out['d2h_ratio']:.0%}); "
+        f"H2D {out['pool_h2d_gbps']} GB/s ({out['pool_h2d_ratio']:.0%} of ceiling), "
+        f"D2H {out['pool_d2h_gbps']} GB/s ({out['pool_d2h_ratio']:.0%}); "
         f"round trip exact: {rates.round_trip_exact}"
     )
     for name, r in (("BLHNC, one DMA per run", blhnc), ("LBHNC, staging ring", lbhnc)):
         print(
-            f"connector path ({name}), {args.connector_batch} scattered 2 MiB blocks, busy "
+            f"connector copies ({name}), {args.connector_batch} scattered 2 MiB blocks, busy "
             f"GPU: D2H {r.d2h_gbps:.2f} GB/s ({r.d2h_gbps / ceiling.d2h_gbps:.0%}), H2D "
             f"{r.h2d_gbps:.2f} GB/s ({r.h2d_gbps / ceiling.h2d_gbps:.0%}), both at once "
             f"{r.bidir_gbps:.2f} GB/s ({r.bidir_gbps / ceiling.bidir_gbps:.0%} of "
             f"{ceiling.bidir_gbps:.2f}); GPU staging {r.staging_bytes} B; exact: "
             f"{r.round_trip_exact}; arena page-locked: {r.host_pinned}"
         )
+    for run in e2e:
+        print(
+            f"through a real daemon, {CLIENTS} clients, {run.blocks_per_request} blocks per "
+            f"request: store {run.store_gbps:.2f} GB/s ({run.store_gbps / ceiling.d2h_gbps:.0%}), "
+            f"load {run.load_gbps:.2f} GB/s ({run.load_gbps / ceiling.h2d_gbps:.0%})"
+        )
+    print(f"a 4-block load, lookup to copies done: {out['e2e_load4_ms']} ms")
     print(
         f"serving steps of {args.step_ms} ms, {args.step_blocks} blocks stored per step: "
         f"engine thread inside kvtier {out['engine_thread_sync_ms']} ms/step, step time "

@@ -99,12 +99,14 @@ def daemon_arena(num_slots: int, block_bytes: int) -> Iterator[torch.Tensor]:
         arena.close()
 
 
-def vllm_placement(layout: KVLayout, num_blocks: int, order: str) -> KVPlacement:
+def vllm_placement(
+    layout: KVLayout, num_blocks: int, order: str, device: str = "cuda"
+) -> KVPlacement:
     """Random KV in vLLM's ``order``, seen through the worker's own ``tiers.gpu.placement``."""
-    made = KVPlacement.allocate(layout, num_blocks, "cuda", order)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    made = KVPlacement.allocate(layout, num_blocks, device, order)
+    gen = torch.Generator(device=device).manual_seed(0)
     made.buffer.copy_(
-        torch.randint(0, 256, made.buffer.shape, dtype=torch.uint8, device="cuda", generator=gen)
+        torch.randint(0, 256, made.buffer.shape, dtype=torch.uint8, device=device, generator=gen)
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layout.num_layers)]
     return kv_placement(layout, dict(zip(names, made.layer_views(), strict=True)), names)

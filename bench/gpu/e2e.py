@@ -1,0 +1,175 @@
+"""Stores and loads end to end through a real daemon, for ``kvtier bench gpu``.
+
+Where ``connector.py`` times the copies alone, into an arena mapped in-process, this times
+what a vLLM worker pays per request: the daemon's calls around the copies. A ``kvtier serve``
+subprocess owns the host tier; two client processes, each with its own CUDA context and a
+vLLM-shaped ``BLHNC`` KV buffer, run the connector's call sequence at once:
+
+* store: Reserve → copy the blocks into their slots on the store stream → wait → Commit;
+* load: Lookup → Acquire → copy the slots into GPU blocks on the load stream → wait → Release.
+
+Each figure is the bytes both clients moved over the wall time from the first call to the
+last copy done (``time.monotonic``, one clock for every process on the host), beside the PCIe
+ceiling measured in the same run. ``load4_ms`` is one 4-block load from its Lookup to its
+copies done, the latency a request waits for a short hit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.daemon.command import start_daemon
+from kvtier.bench.gpu.connector import vllm_placement
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.layout import KVLayout
+
+CLIENTS = 2
+SMALL_LOAD_BLOCKS = 4
+
+
+@dataclass(frozen=True)
+class EndToEnd:
+    blocks_per_request: int
+    store_gbps: float
+    load_gbps: float
+    load4_ms: float
+    """Median of one 4-block load from its Lookup to its copies done."""
+    exact: bool
+
+
+def _hashes(client_index: int, request: int, count: int) -> list[bytes]:
+    return [
+        client_index.to_bytes(4, "little") + request.to_bytes(4, "little") + i.to_bytes(8, "little")
+        for i in range(count)
+    ]
+
+
+def _client(
+    target: str,
+    layout: KVLayout,
+    index: int,
+    blocks: int,
+    requests: int,
+    small_loads: int,
+    device: str,
+    barrier,
+    out,
+) -> None:
+    """One engine's worker: stores ``requests`` requests of ``blocks`` blocks, loads them back
+    into other GPU blocks, then times ``small_loads`` 4-block loads."""
+    try:
+        client = DaemonClient(
+            layout.signature,
+            layout.block_bytes,
+            block_tokens=layout.block_size,
+            target=target,
+            timeout_s=30,
+            client_name=f"bench-e2e-{index}",
+        )
+        if not client.wait_connected(60):
+            raise RuntimeError("the daemon did not come up")
+        placement = vllm_placement(layout, 2 * requests * blocks, "BLHNC", device)
+        engine = CopyEngine(placement, client.slab)
+        sent = [_hashes(index, r, blocks) for r in range(requests)]
+        gpu_out = [list(range(r * blocks, (r + 1) * blocks)) for r in range(requests)]
+        gpu_in = [[requests * blocks + b for b in ids] for ids in gpu_out]
+        # the first copy page-locks the arena: not a request's cost
+        warm = client.reserve(_hashes(index, requests, 1))
+        engine.store([0], warm).wait()
+        client.commit(warm)
+
+        barrier.wait()
+        store_start = time.monotonic()
+        for hashes, ids in zip(sent, gpu_out, strict=True):
+            slots = client.reserve(hashes)
+            if min(slots) < 0:
+                raise RuntimeError(f"reserve refused: {slots}")
+            engine.store(ids, slots).wait()
+            if not client.commit(slots):
+                raise RuntimeError("commit failed")
+        store_end = time.monotonic()
+
+        barrier.wait()
+        load_start = time.monotonic()
+        for hashes, ids in zip(sent, gpu_in, strict=True):
+            if client.lookup(hashes).total != len(hashes):
+                raise RuntimeError("lookup missed a stored block")
+            slots = client.acquire(hashes)
+            if len(slots) != len(hashes):
+                raise RuntimeError("acquire missed a stored block")
+            engine.load(slots, ids).wait()
+            client.release(slots)
+        load_end = time.monotonic()
+
+        small = []
+        for n in range(small_loads):
+            hashes = sent[n % requests][:SMALL_LOAD_BLOCKS]
+            t0 = time.perf_counter()
+            client.lookup(hashes)
+            slots = client.acquire(hashes)
+            engine.load(slots, gpu_in[0][:SMALL_LOAD_BLOCKS]).wait()
+            small.append(time.perf_counter() - t0)
+            client.release(slots)
+        # request 0's blocks took the small loads; every other one must have come back whole
+        stored_ids = [i for ids in gpu_out[1:] for i in ids]
+        loaded_ids = [i for ids in gpu_in[1:] for i in ids]
+        want = torch.empty((len(stored_ids), layout.block_bytes), dtype=torch.uint8, device=device)
+        back = torch.empty_like(want)
+        placement.gather(torch.tensor(stored_ids, device=device), want)
+        placement.gather(torch.tensor(loaded_ids, device=device), back)
+        exact = bool(stored_ids) and torch.equal(want, back)
+        engine.close()
+        client.close()
+        out.put((store_start, store_end, load_start, load_end, small, exact))
+    except Exception as exc:  # the parent reports it; a hung barrier would hide it
+        barrier.abort()
+        out.put(f"client {index}: {exc!r}")
+
+
+def end_to_end(
+    layout: KVLayout, blocks: int, requests: int, small_loads: int, device: str = "cuda"
+) -> EndToEnd:
+    """Both clients' store and load rates through one real daemon, and a small load's latency."""
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as root:
+        host_bytes = CLIENTS * (requests + 1) * blocks * layout.block_bytes + (64 << 20)
+        daemon, target = start_daemon(Path(root), host_bytes, 0)
+        try:
+            barrier, out = ctx.Barrier(CLIENTS), ctx.Queue()
+            procs = [
+                ctx.Process(
+                    target=_client,
+                    args=(target, layout, i, blocks, requests, small_loads, device, barrier, out),
+                )
+                for i in range(CLIENTS)
+            ]
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=600) for _ in procs]
+            for p in procs:
+                p.join()
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    failed = [r for r in results if isinstance(r, str)]
+    if failed:
+        raise RuntimeError(f"end-to-end clients failed: {failed}")
+    moved = CLIENTS * requests * blocks * layout.block_bytes
+    store_s = max(r[1] for r in results) - min(r[0] for r in results)
+    load_s = max(r[3] for r in results) - min(r[2] for r in results)
+    small = [s for r in results for s in r[4]]
+    return EndToEnd(
+        blocks,
+        moved / store_s / 1e9,
+        moved / load_s / 1e9,
+        statistics.median(small) * 1e3 if small else 0.0,
+        all(r[5] for r in results),
+    )
