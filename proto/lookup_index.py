@@ -1,0 +1,222 @@
+"""The lookup index: what a layout's host and disk tiers hold, published in shared memory.
+
+The daemon is its only writer; a client maps it read-only and answers a lookup with a few
+vectorised memory reads instead of a call. What a probe says is a hint: an ``Acquire`` names
+hashes, and the daemon resolves them again where the bytes are handed over, so a stale or
+torn read can cost a hit but never hand out a wrong block.
+
+The file is a header and an open-addressing table (linear probing, at most half full) of
+``ENTRY`` records: a 16-byte block hash and a byte of tier bits. A hash, once written into a
+record, stays there until the table is rebuilt: removing a block clears its bits, so no
+reader ever sees one record change from one hash to another. The writer publishes a record's
+hash before its bits, and a reader trusts bits only under a matching hash. When the table
+fills (live and cleared records together), the writer builds a new file, renames it over the
+old name and marks the old one ``RETIRED``; a reader that sees the mark maps the new one.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.proto.contract import HASH_BYTES
+
+MAGIC = 0x4B56_5449_4458_0001  # "KVTIDX", format 1
+HOST, DISK = 1, 2
+"""Tier bits of a record."""
+HEADER = struct.Struct("<QQQII")
+"""magic, capacity (records), generation, retired flag, has_remote flag."""
+HEADER_BYTES = 64
+RECORD_BYTES = 32
+"""A record: the hash (16 bytes), its tier bits (1 byte), padding to a power of two."""
+_TIERS_AT = 16
+MIN_CAPACITY = 1024
+MAX_PROBES = 64
+"""A probe that walks this far finds the table badly clustered: it answers a miss."""
+_RETIRED_AT = 24
+
+
+def _capacity_for(blocks: int) -> int:
+    """Records for ``blocks`` live hashes: a power of two at least four times as many, so the
+    table stays under half full with as many cleared records as live ones."""
+    return max(MIN_CAPACITY, 1 << max(0, 4 * blocks - 1).bit_length())
+
+
+def _buckets(keys: np.ndarray, capacity: int) -> np.ndarray:
+    """Each hash's home record: its first 8 bytes (xxh3 output, uniform) modulo capacity."""
+    return keys.view(np.uint64)[::2] & np.uint64(capacity - 1)
+
+
+def index_path(arena_path: str | os.PathLike[str]) -> Path:
+    """The index of the layout whose arena is ``arena_path``: a file beside it."""
+    return Path(f"{os.fspath(arena_path)}.index")
+
+
+class _Table:
+    """Views of a mapped table: each record's hash as two 64-bit words, and its tier bits."""
+
+    def __init__(self, mapped: mmap.mmap, capacity: int):
+        records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
+        records = records.reshape(capacity, RECORD_BYTES)
+        self.keys = records[:, :HASH_BYTES]
+        self.words = np.frombuffer(mapped, np.uint64, capacity * 4, HEADER_BYTES).reshape(-1, 4)
+        self.tiers = records[:, _TIERS_AT]
+        self.capacity = capacity
+
+
+class LookupIndexWriter:
+    """The daemon's side: ``set`` and ``clear`` tier bits of hashes, thread-safe."""
+
+    def __init__(self, path: str | os.PathLike[str], blocks: int, has_remote: bool = False):
+        self.path = Path(path)
+        self.has_remote = has_remote
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._slots: dict[bytes, int] = {}
+        self._map: mmap.mmap | None = None
+        self._build(_capacity_for(blocks), {})
+
+    def _build(self, capacity: int, live: dict[bytes, int]) -> None:
+        """Writes a table holding ``live`` (hash → bits) into a new file and publishes it."""
+        self._generation += 1
+        size = HEADER_BYTES + capacity * RECORD_BYTES
+        fresh = self.path.with_name(f"{self.path.name}.{self._generation}")
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        mapped[:HEADER_BYTES] = HEADER.pack(
+            MAGIC, capacity, self._generation, 0, int(self.has_remote)
+        ).ljust(HEADER_BYTES, b"\0")
+        old_map = self._map
+        self._map, self._table, self._used = mapped, _Table(mapped, capacity), 0
+        self._slots = {}
+        for key, bits in live.items():
+            self._slots[key] = self._insert(key)
+            self._table.tiers[self._slots[key]] = bits
+        os.replace(fresh, self.path)
+        if old_map is not None:
+            old_map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
+
+    def _insert(self, key: bytes) -> int:
+        """Writes ``key`` into the first never-used record from its home; returns the record."""
+        table = self._table
+        record = int(_buckets(np.frombuffer(key, np.uint8), table.capacity)[0])
+        mask = table.capacity - 1
+        while table.words[record, 0] or table.words[record, 1]:
+            record = (record + 1) & mask
+        table.keys[record] = np.frombuffer(key, np.uint8)
+        self._used += 1
+        return record
+
+    def set(self, block_hash: bytes, tier: int) -> None:
+        """Marks ``block_hash`` as held by ``tier`` (``HOST`` or ``DISK``)."""
+        self._change(block_hash, tier, True)
+
+    def clear(self, block_hash: bytes, tier: int) -> None:
+        """Marks ``block_hash`` as no longer held by ``tier``."""
+        self._change(block_hash, tier, False)
+
+    def _change(self, block_hash: bytes, tier: int, held: bool) -> None:
+        if len(block_hash) != HASH_BYTES:
+            raise ValueError(f"a block hash has {HASH_BYTES} bytes, not {len(block_hash)}")
+        with self._lock:
+            if self._map is None:
+                return
+            record = self._slots.get(block_hash)
+            if record is None:
+                if not held:
+                    return
+                if 2 * (self._used + 1) > self._table.capacity:
+                    self._rebuild()
+                record = self._slots[block_hash] = self._insert(block_hash)
+            bits = int(self._table.tiers[record])
+            self._table.tiers[record] = bits | tier if held else bits & ~tier
+
+    def _rebuild(self) -> None:
+        tiers = self._table.tiers
+        live = {key: int(tiers[r]) for key, r in self._slots.items() if tiers[r]}
+        self._build(_capacity_for(len(live) + 1), live)
+
+    def close(self) -> None:
+        """Unlinks the index; clients holding it see it retired and probe no more."""
+        with self._lock:
+            if self._map is None:
+                return
+            self._map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
+            self._table = None
+            self._map = None
+            self.path.unlink(missing_ok=True)
+
+
+class LookupIndexReader:
+    """A client's read-only view. ``probe`` returns None when there is no usable index (none
+    published, or retired and not yet replaced): the caller then asks the daemon."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._map: mmap.mmap | None = None
+        self._table: _Table | None = None
+        self.has_remote = False
+
+    def _mapped(self) -> bool:
+        if self._map is not None and not self._retired():
+            return True
+        self.close()
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                return False
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic, capacity, _, retired, has_remote = HEADER.unpack_from(mapped)
+        if magic != MAGIC or retired or size < HEADER_BYTES + capacity * RECORD_BYTES:
+            mapped.close()
+            return False
+        self._map, self.has_remote = mapped, bool(has_remote)
+        self._table = _Table(mapped, capacity)
+        return True
+
+    def _retired(self) -> bool:
+        return struct.unpack_from("<I", self._map, _RETIRED_AT)[0] != 0
+
+    def probe(self, hashes: Sequence[bytes] | Iterable[bytes]) -> np.ndarray | None:
+        """Each hash's tier bits (0: neither tier holds it), or None without an index."""
+        if not self._mapped():
+            return None
+        packed = b"".join(hashes)
+        if len(packed) % HASH_BYTES:
+            raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
+        table = self._table
+        want = np.frombuffer(packed, np.uint64).reshape(-1, 2)
+        bits = np.zeros(len(want), np.uint8)
+        pending = np.arange(len(want))
+        record = (want[:, 0] & np.uint64(table.capacity - 1)).astype(np.int64)
+        for _ in range(MAX_PROBES):
+            if not len(pending):
+                break
+            at = record[pending]
+            found = table.words[at, :2]
+            same = (found == want[pending]).all(axis=1)
+            empty = (found == 0).all(axis=1)
+            bits[pending[same]] = table.tiers[at[same]]
+            pending = pending[~same & ~empty]
+            record[pending] = (record[pending] + 1) & (table.capacity - 1)
+        return bits
+
+    def close(self) -> None:
+        self._table = None
+        self._map = None

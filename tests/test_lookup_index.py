@@ -1,0 +1,89 @@
+"""The shared-memory lookup index: the daemon writes it, clients probe it without a call."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import xxhash
+
+from kvtier.proto.lookup_index import (
+    DISK,
+    HOST,
+    MIN_CAPACITY,
+    LookupIndexReader,
+    LookupIndexWriter,
+    index_path,
+)
+
+
+def h(i: int) -> bytes:
+    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
+
+
+def test_a_probe_reads_each_hashs_tiers_and_misses_what_no_tier_holds(tmp_path):
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=64)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        writer.set(h(1), HOST)
+        writer.set(h(2), DISK)
+        writer.set(h(3), HOST)
+        writer.set(h(3), DISK)
+        assert reader.probe([h(1), h(2), h(3), h(4)]).tolist() == [HOST, DISK, HOST | DISK, 0]
+        writer.clear(h(3), HOST)
+        writer.clear(h(1), HOST)
+        writer.clear(h(9), DISK)  # never held: nothing to clear
+        assert reader.probe([h(1), h(2), h(3), h(9)]).tolist() == [0, DISK, DISK, 0]
+        assert stat.S_IMODE(os.stat(tmp_path / "idx").st_mode) == 0o600
+    finally:
+        writer.close()
+    assert reader.probe([h(2)]) is None  # retired and unlinked: ask the daemon instead
+    assert not (tmp_path / "idx").exists()
+
+
+def test_a_full_table_is_rebuilt_and_readers_follow_it(tmp_path):
+    """Far more hashes than the first table holds, most of them cleared again: the writer
+    rebuilds, the old file is retired and a reader that mapped it moves to the new one."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=1)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        assert reader.probe([h(0)]).tolist() == [0]
+        live = set()
+        for i in range(5 * MIN_CAPACITY):
+            writer.set(h(i), HOST)
+            live.add(i)
+            if i % 3:
+                writer.clear(h(i), HOST)
+                live.discard(i)
+        got = reader.probe([h(i) for i in range(5 * MIN_CAPACITY)])
+        assert [i for i, bits in enumerate(got) if bits] == sorted(live)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
+    finally:
+        writer.close()
+
+
+def test_a_probe_of_a_torn_or_foreign_file_never_claims_a_hit(tmp_path):
+    path = tmp_path / "idx"
+    path.write_bytes(os.urandom(4096))
+    assert LookupIndexReader(path).probe([h(1)]) is None
+    assert LookupIndexReader(tmp_path / "missing").probe([h(1)]) is None
+
+
+def test_the_index_lives_beside_its_arena():
+    assert str(index_path("/dev/shm/kvtier-default-abc")) == "/dev/shm/kvtier-default-abc.index"
+
+
+def test_a_batch_probe_equals_probes_one_by_one(tmp_path):
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=4096)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        rng = np.random.default_rng(0)
+        for i in rng.choice(8192, 3000, replace=False):
+            writer.set(h(int(i)), HOST if i % 2 else DISK)
+        hashes = [h(i) for i in range(8192)]
+        batch = reader.probe(hashes).tolist()
+        assert batch == [int(reader.probe([x])[0]) for x in hashes]
+        assert sum(1 for b in batch if b) == 3000
+    finally:
+        writer.close()
