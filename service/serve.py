@@ -37,6 +37,7 @@ from kvtier.service.arena import ArenaError
 from kvtier.service.config import DEFAULT_STATS_PORT, ConfigError, DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
+from kvtier.service.relay.limits import raise_fd_limit
 from kvtier.service.relay.unix import (
     RelayProcess,
     clear_private_dir,
@@ -141,7 +142,9 @@ async def _start(
     made.callback(_remove_socket, socket_path, os.lstat(socket_path).st_ino)
     os.chmod(socket_path, 0o600)
     listener.listen(128)
-    relay = RelayProcess(listener, private_dir)
+    raise_fd_limit()  # gRPC holds a descriptor for each relayed connection
+    # a session's connection, room for each to reconnect, and the event watchers'
+    relay = RelayProcess(listener, private_dir, 2 * config.max_sessions + config.max_watchers)
     await relay.start()
     made.push_async_callback(relay.stop)
     where = [f"grpc unix:{socket_path} (through a relay that knows each client's pid)"]

@@ -23,10 +23,17 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.service.relay.unix import private_dir_of
 
 SIGNATURE = bytes(range(16))
 BLOCK_BYTES = 8192
 START_TIMEOUT_S = 60
+SET_NOFILE = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])"
+)
+"""``python -c SET_NOFILE SOFT HARD ARGS…``: runs ``python ARGS…`` under that descriptor limit."""
 
 
 def free_port() -> int:
@@ -60,6 +67,8 @@ class Daemon:
     name: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
     stats_port: int | None = field(default_factory=free_port)
     """None: no flag, the daemon's default (9477, or any free port while that one is taken)."""
+    nofile: tuple[int, int] | None = None
+    """The daemon's descriptor limit (soft, hard), where not this process's own."""
     proc: subprocess.Popen | None = None
 
     @property
@@ -75,8 +84,10 @@ class Daemon:
         return self.root / "daemon.log"
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
+        cmd = [sys.executable]
+        if self.nofile is not None:
+            cmd += ["-c", SET_NOFILE, *map(str, self.nofile)]
+        cmd += [
             "-m",
             "kvtier.service.serve",
             "--name",
@@ -211,3 +222,19 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def relay_pids(daemon: Daemon) -> list[int]:
+    """Processes running the daemon's relay (its private directory is on their command line)."""
+    private = str(private_dir_of(daemon.socket))
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"kvtier.service.relay.unix" in args and private.encode() in args:
+                pids.append(int(entry))
+    return pids
