@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 
-from daemonutil import Daemon
+from daemonutil import Daemon, daemon_name
 
 pytestmark = pytest.mark.cuda
 
@@ -172,7 +171,7 @@ def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
 
     The arena lies on tmpfs as the daemon's does: Linux refuses to lock a writable shared
     mapping of a disk file (seen on an H200 machine's 6.18 kernel, "invalid argument")."""
-    path = SHM_DIR / f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    path = SHM_DIR / f"kvtier-{daemon_name()}"
     script = textwrap.dedent(
         f"""
         import threading, torch
