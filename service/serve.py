@@ -47,6 +47,7 @@ from kvtier.service.relay.unix import (
     upstream_of,
 )
 from kvtier.service.rpc.auth import TokenInterceptor
+from kvtier.service.rpc.grpc_logs import limit_grpc_logs
 from kvtier.service.rpc.handlers import add_servicer
 from kvtier.service.rpc.servicer import KvTierServicer
 from kvtier.service.stats.http import StatsServer
@@ -86,6 +87,7 @@ async def serve(config: DaemonConfig) -> None:
     A start that fails at any step removes what it made (socket, stats endpoint, the store
     with any arena and disk tier lock it took) and raises ``StartError`` saying why.
     """
+    limit_grpc_logs()  # grpcio logs a traceback per undecodable request to health or reflection
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
