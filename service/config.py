@@ -140,7 +140,10 @@ class DaemonConfig:
             raise ConfigError(
                 "stats_port", f"stats_port must be in -1..65535, not {self.stats_port}"
             )
-        self.remote_config()  # a bad URL or setting fails here, at start-up
+        try:
+            self.remote_config()  # a bad URL or setting fails here, at start-up
+        except ValueError as exc:  # its message names the URL redacted (``redact_url``)
+            raise ConfigError("remote", str(exc)) from None
 
     @property
     def socket_path(self) -> Path:

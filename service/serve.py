@@ -37,6 +37,7 @@ from kvtier.service.arena import ArenaError
 from kvtier.service.config import DEFAULT_STATS_PORT, ConfigError, DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
+from kvtier.service.relay.limits import raise_fd_limit
 from kvtier.service.relay.unix import (
     RelayProcess,
     clear_private_dir,
@@ -46,6 +47,7 @@ from kvtier.service.relay.unix import (
     upstream_of,
 )
 from kvtier.service.rpc.auth import TokenInterceptor
+from kvtier.service.rpc.grpc_logs import limit_grpc_logs
 from kvtier.service.rpc.handlers import add_servicer
 from kvtier.service.rpc.servicer import KvTierServicer
 from kvtier.service.stats.http import StatsServer
@@ -85,6 +87,7 @@ async def serve(config: DaemonConfig) -> None:
     A start that fails at any step removes what it made (socket, stats endpoint, the store
     with any arena and disk tier lock it took) and raises ``StartError`` saying why.
     """
+    limit_grpc_logs()  # grpcio logs a traceback per undecodable request to health or reflection
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -141,7 +144,9 @@ async def _start(
     made.callback(_remove_socket, socket_path, os.lstat(socket_path).st_ino)
     os.chmod(socket_path, 0o600)
     listener.listen(128)
-    relay = RelayProcess(listener, private_dir)
+    raise_fd_limit()  # gRPC holds a descriptor for each relayed connection
+    # a session's connection, room for each to reconnect, and the event watchers'
+    relay = RelayProcess(listener, private_dir, 2 * config.max_sessions + config.max_watchers)
     await relay.start()
     made.push_async_callback(relay.stop)
     where = [f"grpc unix:{socket_path} (through a relay that knows each client's pid)"]

@@ -1,4 +1,5 @@
-"""Shared fixtures and the ``cuda`` marker's skip."""
+"""Shared fixtures, the ``cuda`` marker's skip, and a check that the session leaves nothing
+behind."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from kvtier.tiers.layout import KVLayout
+
+from daemonutil import leftovers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -21,3 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def small_layout() -> KVLayout:
     """Two layers, 4-token blocks: 512-byte blocks, small enough for thousands of steps."""
     return KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float16)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_behind():
+    """After the last test: no arena in ``/dev/shm``, no directory in ``/tmp``, no process of
+    any daemon this session started (what is found is removed, then reported)."""
+    yield
+    found = leftovers()
+    assert not found, f"the tests left behind: {found}"

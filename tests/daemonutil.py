@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -23,10 +24,68 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.service.arena import SHM_DIR
+from kvtier.service.relay.unix import private_dir_of
 
+RUN = uuid.uuid4().hex[:8]
+NAME_PREFIX = f"test-{RUN}-"
+"""Every daemon this pytest session starts, in a process or not, is named under this prefix,
+so its arenas are ``/dev/shm/kvtier-test-<run>-…``; other sessions on the machine have
+their own, and ``leftovers`` never sees theirs."""
+ROOT_PREFIX = f"kvd-{RUN}-"
+"""Every daemon's directory (socket, log, disk tier) is ``/tmp/kvd-<run>-…``."""
 SIGNATURE = bytes(range(16))
 BLOCK_BYTES = 8192
 START_TIMEOUT_S = 60
+SET_NOFILE = (
+    "import os, resource, sys; "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])"
+)
+"""``python -c SET_NOFILE SOFT HARD ARGS…``: runs ``python ARGS…`` under that descriptor limit."""
+
+
+def daemon_name() -> str:
+    """A fresh daemon name under this session's ``NAME_PREFIX``."""
+    return f"{NAME_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+def arenas_of(name: str) -> list[Path]:
+    """The shared-memory arenas of daemon ``name``: one per layout, ``kvtier-<name>-<layout>``."""
+    return sorted(SHM_DIR.glob(f"kvtier-{name}-*"))
+
+
+def leftovers() -> list[str]:
+    """What this session's daemons left on the machine: arenas, directories, and processes
+    (a daemon, its relay, or a client of it) still running; each is removed or killed."""
+    found = [str(p) for p in SHM_DIR.glob(f"kvtier-{NAME_PREFIX}*")]
+    for path in SHM_DIR.glob(f"kvtier-{NAME_PREFIX}*"):
+        path.unlink(missing_ok=True)
+    for root in Path("/tmp").glob(f"{ROOT_PREFIX}*"):
+        found.append(str(root))
+        shutil.rmtree(root, ignore_errors=True)
+    for pid, cmdline in session_processes():
+        found.append(f"pid {pid}: {cmdline}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return found
+
+
+def session_processes() -> list[tuple[int, str]]:
+    """Processes whose command line names this session's daemons or their directories."""
+    marks = (NAME_PREFIX.encode(), f"/tmp/{ROOT_PREFIX}".encode())
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if any(mark in cmdline for mark in marks):
+            found.append((int(entry), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
 
 
 def free_port() -> int:
@@ -56,10 +115,14 @@ class Daemon:
     tcp_port: int | None = None
     token: str | None = None
     extra: list[str] = field(default_factory=list)
-    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp")))
-    name: str = field(default_factory=lambda: f"test-{uuid.uuid4().hex[:12]}")
+    root: Path = field(
+        default_factory=lambda: Path(tempfile.mkdtemp(prefix=ROOT_PREFIX, dir="/tmp"))
+    )
+    name: str = field(default_factory=daemon_name)
     stats_port: int | None = field(default_factory=free_port)
     """None: no flag, the daemon's default (9477, or any free port while that one is taken)."""
+    nofile: tuple[int, int] | None = None
+    """The daemon's descriptor limit (soft, hard), where not this process's own."""
     proc: subprocess.Popen | None = None
 
     @property
@@ -75,8 +138,10 @@ class Daemon:
         return self.root / "daemon.log"
 
     def command(self) -> list[str]:
-        cmd = [
-            sys.executable,
+        cmd = [sys.executable]
+        if self.nofile is not None:
+            cmd += ["-c", SET_NOFILE, *map(str, self.nofile)]
+        cmd += [
             "-m",
             "kvtier.service.serve",
             "--name",
@@ -140,7 +205,8 @@ class Daemon:
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
-        Path("/dev/shm", f"kvtier-{self.name}").unlink(missing_ok=True)
+        for arena in arenas_of(self.name):
+            arena.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def stub(self) -> tuple[grpc.Channel, pb_grpc.KvTierStub]:
@@ -211,3 +277,19 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def relay_pids(daemon: Daemon) -> list[int]:
+    """Processes running the daemon's relay (its private directory is on their command line)."""
+    private = str(private_dir_of(daemon.socket))
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    args = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"kvtier.service.relay.unix" in args and private.encode() in args:
+                pids.append(int(entry))
+    return pids

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 
-from daemonutil import Daemon
+from daemonutil import Daemon, daemon_name
 
 pytestmark = pytest.mark.cuda
 
@@ -168,11 +167,11 @@ def test_gpu_memory_stays_within_the_ring(order):
 
 
 def test_slab_is_page_locked_on_the_engine_thread_under_its_device():
-    """Defect 4: the client's background thread registered the arena (a context on GPU 0).
+    """The client's background thread registered the arena (a context on GPU 0).
 
     The arena lies on tmpfs as the daemon's does: Linux refuses to lock a writable shared
     mapping of a disk file (recent kernels answer "invalid argument")."""
-    path = SHM_DIR / f"kvtier-test-{uuid.uuid4().hex[:12]}"
+    path = SHM_DIR / f"kvtier-{daemon_name()}"
     script = textwrap.dedent(
         f"""
         import threading, torch

@@ -10,7 +10,6 @@ import errno
 import os
 import threading
 import time
-import uuid
 
 import grpc
 import lmdb
@@ -28,7 +27,7 @@ from kvtier.tiers.disk import writer as disk_writer
 from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon as DaemonProcess
-from daemonutil import block_hash, open_session, store, wait_until
+from daemonutil import block_hash, daemon_name, open_session, store, wait_until
 
 BLOCK = 4096
 LAYOUT = b"q" * 16
@@ -39,7 +38,7 @@ def make_daemon():
     made: list[tuple[Daemon, asyncio.AbstractEventLoop]] = []
 
     def make(**config) -> Daemon:
-        cfg = DaemonConfig(name=f"unit-{uuid.uuid4().hex[:8]}", **config)
+        cfg = DaemonConfig(name=daemon_name(), **config)
         loop = asyncio.new_event_loop()
         daemon = Daemon(cfg, BlockStore(cfg, EventHub(loop)))
         made.append((daemon, loop))

@@ -17,7 +17,7 @@ from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.service.relay.unix import client_pid, private_dir_of
 
-from daemonutil import BLOCK_BYTES, Daemon, block_hash, open_session, wait_until
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, open_session, relay_pids, wait_until
 
 
 @pytest.fixture
@@ -109,22 +109,6 @@ def test_the_relay_leaves_nothing_behind(daemon):
     )
     assert daemon.stop() == 0, daemon.log.read_text()
     assert not private.exists() and not daemon.socket.exists()
-
-
-def relay_pids(daemon: Daemon) -> list[int]:
-    """Processes running the daemon's relay (its private directory is on their command line)."""
-    private = str(private_dir_of(daemon.socket))
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"kvtier.service.relay.unix" in args and private.encode() in args:
-                pids.append(int(entry))
-    return pids
 
 
 def test_a_relay_that_dies_is_started_again_and_dies_with_the_daemon():

@@ -6,7 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -18,6 +17,8 @@ from kvtier.service.events import EventHub
 from kvtier.service.liveness import process_gone
 from kvtier.service.store import BlockStore
 from kvtier.tiers.host.tier import ALREADY_STORED
+
+from daemonutil import daemon_name
 
 BLOCK = 4096
 
@@ -41,7 +42,7 @@ LAYOUT = b"s" * 16
 
 @pytest.fixture
 def daemon():
-    cfg = DaemonConfig(name=f"unit-{uuid.uuid4().hex[:8]}", host_bytes=4 * BLOCK, disk_bytes=0)
+    cfg = DaemonConfig(name=daemon_name(), host_bytes=4 * BLOCK, disk_bytes=0)
     loop = asyncio.new_event_loop()
     d = Daemon(cfg, BlockStore(cfg, EventHub(loop)))
     yield d

@@ -20,7 +20,7 @@ from kvtier.proto import contract
 from kvtier.service import config
 from kvtier.service.config import ConfigError, DaemonConfig
 
-from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, load, store
+from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, arenas_of, block_hash, load, store
 
 ROOT = os.getuid() == 0
 OTHER_UID = 65534  # nobody
@@ -39,10 +39,6 @@ def daemons():
         d.cleanup()
 
 
-def arena_path(d: Daemon) -> Path:
-    return Path("/dev/shm", f"kvtier-{d.name}")
-
-
 def assert_failed_cleanly(d: Daemon, code: int, *words: str) -> str:
     """Exit 1, one ERROR line that says why, no traceback, nothing of the start left behind."""
     log = d.log.read_text()
@@ -52,7 +48,7 @@ def assert_failed_cleanly(d: Daemon, code: int, *words: str) -> str:
     assert "Traceback" not in log, log
     for word in words:
         assert word in errors[0], errors[0]
-    assert not arena_path(d).exists()
+    assert not arenas_of(d.name)
     assert not d.socket.is_socket()
     return errors[0]
 

@@ -51,6 +51,7 @@ from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
 from kvtier.connector.vllm.request import RequestHashes
 from kvtier.connector.vllm.stats import KVTierStats
 from kvtier.tiers.hashing import Namespace
+from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon, wait_until
 
@@ -69,20 +70,32 @@ BOGUS = b"\xee" * 16
 
 
 def flood(engine: Engine, daemon: Daemon, blocks: int) -> None:
-    """Stores ``blocks`` unrelated blocks, so the daemon's LRU drops what it held before."""
+    """Stores ``blocks`` unrelated blocks, so the daemon's LRU drops what it held before.
+
+    With a disk tier each committed block stays pinned in its host slot until the disk writer
+    has written it, so the flood can outrun the writer and find every host slot pinned
+    (``NO_SPACE``): it then waits for the writer to free slots instead of failing."""
     client = DaemonClient(
         engine.connector.scheduler.client.layout_signature,
         BLOCK_BYTES,
         block_tokens=BLOCK,
         target=daemon.target,
     )
+    left = [uuid.uuid4().bytes for _ in range(blocks)]
+
+    def store_some() -> bool:
+        batch = left[:8]
+        slots = client.reserve(batch)
+        assert all(slot >= 0 or slot == NO_SPACE for slot in slots), slots
+        taken = [slot for slot in slots if slot >= 0]
+        if taken:
+            assert client.commit(taken)
+        left[:8] = [h for h, slot in zip(batch, slots, strict=True) if slot < 0]
+        return not left
+
     try:
         assert client.wait_connected(30)
-        hashes = [uuid.uuid4().bytes for _ in range(blocks)]
-        for start in range(0, blocks, 8):
-            slots = client.reserve(hashes[start : start + 8])
-            assert all(slot >= 0 for slot in slots)
-            assert client.commit(slots)
+        wait_until(store_some, f"room in the host tier for {blocks} blocks")
     finally:
         client.close()
 

@@ -10,9 +10,9 @@ connection that opened it, as on TCP, and the daemon knows the client's pid in i
 namespace, whatever namespace the client runs in.
 
 The relay runs in a process of its own (``RelayProcess``), so that relaying never waits for
-the daemon's GIL, and dies with the daemon. Bytes move with ``os.splice`` through a pipe,
-kernel to kernel, on two threads per connection; bulk data never crosses this socket (it moves
-through the shared arena).
+the daemon's GIL, and dies with the daemon. One selector thread relays every connection
+(``loop.py``), two descriptors each, up to a cap the descriptor limit leaves room for
+(``limits.py``); bulk data never crosses this socket (it moves through the shared arena).
 """
 
 from __future__ import annotations
@@ -20,22 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import itertools
 import logging
 import os
 import signal
 import socket
 import stat
-import struct
 import sys
-import threading
 from pathlib import Path
+
+from kvtier.service.relay.limits import connection_cap, raise_fd_limit
+from kvtier.service.relay.loop import Relay
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 1 << 16
-"""Bytes per splice: a pipe's default capacity."""
-_UCRED = struct.Struct("3i")
 _PR_SET_PDEATHSIG = 1
 RESPAWN_S = 1.0
 """Pause before a relay that died is started again."""
@@ -77,11 +74,13 @@ def clear_private_dir(private_dir: Path) -> None:
 
 class RelayProcess:
     """Runs the relay of ``listener`` (bound and listening) in a child process, again should
-    it die, until ``stop``."""
+    it die, until ``stop``; it relays up to ``max_connections`` connections at once (fewer
+    where the descriptor limit leaves room for fewer)."""
 
-    def __init__(self, listener: socket.socket, private_dir: Path):
+    def __init__(self, listener: socket.socket, private_dir: Path, max_connections: int):
         self.listener = listener
         self.private_dir = private_dir
+        self.max_connections = max_connections
         self._proc: asyncio.subprocess.Process | None = None
         self._watch: asyncio.Task | None = None
         self._stopping = False
@@ -110,6 +109,7 @@ class RelayProcess:
             str(fd),
             os.fspath(self.private_dir),
             str(os.getpid()),
+            str(self.max_connections),
             pass_fds=(fd,),
         )
 
@@ -121,74 +121,6 @@ class RelayProcess:
             self._proc = await self._spawn()
 
 
-class Relay:
-    """In the relay process: accepts on ``listener`` and relays each connection to gRPC."""
-
-    def __init__(self, listener: socket.socket, private_dir: Path):
-        self.listener = listener
-        self.private_dir = private_dir
-        self.upstream = os.fspath(upstream_of(private_dir))
-        self._count = itertools.count(1)
-
-    def serve_forever(self) -> None:
-        while True:
-            client, _ = self.listener.accept()
-            try:
-                self._relay(client)
-            except OSError as exc:
-                log.warning("kvtier relay: a connection could not reach gRPC: %s", exc)
-                client.close()
-
-    def _relay(self, client: socket.socket) -> None:
-        raw = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-        pid, _uid, _gid = _UCRED.unpack(raw)
-        address = self.private_dir / f"c{os.getpid()}.{next(self._count)}-{pid}"
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            upstream.bind(os.fspath(address))
-            upstream.connect(self.upstream)
-        except BaseException:
-            upstream.close()
-            address.unlink(missing_ok=True)
-            raise
-        pumping = [2]
-        lock = threading.Lock()
-
-        def pump(src: socket.socket, dst: socket.socket) -> None:
-            _splice_until_closed(src, dst)
-            _shut(client, upstream)  # one side gone: end the other
-            with lock:
-                pumping[0] -= 1
-                if pumping[0]:
-                    return  # the last of the two cleans up
-            client.close()
-            upstream.close()
-            address.unlink(missing_ok=True)
-
-        for src, dst in ((client, upstream), (upstream, client)):
-            threading.Thread(target=pump, args=(src, dst), daemon=True).start()
-
-
-def _shut(*socks: socket.socket) -> None:
-    for sock in socks:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-
-
-def _splice_until_closed(src: socket.socket, dst: socket.socket) -> None:
-    """Moves bytes from ``src`` to ``dst`` until either ends."""
-    read_end, write_end = os.pipe()
-    try:
-        while moved := os.splice(src.fileno(), write_end, _CHUNK):
-            while moved:
-                moved -= os.splice(read_end, dst.fileno(), moved)
-    except OSError:
-        pass  # the other side went away; the caller ends both
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-
-
 def _die_with(daemon_pid: int) -> None:
     """The kernel ends this process when the daemon ends, even by SIGKILL; a daemon already
     gone before that was asked ends it now."""
@@ -198,14 +130,19 @@ def _die_with(daemon_pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m kvtier.service.relay.unix FD PRIVATE_DIR DAEMON_PID``: the relay process."""
+    """``python -m kvtier.service.relay.unix FD PRIVATE_DIR DAEMON_PID MAX_CONNECTIONS``: the
+    relay process."""
     _die_with(int(argv[2]))
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon stops it (SIGTERM), not ^C
+    fd_limit = raise_fd_limit()
+    cap = connection_cap(fd_limit, int(argv[3]))
+    log.info("kvtier relay: up to %d connections at once (descriptor limit %d)", cap, fd_limit)
     listener = socket.socket(fileno=int(argv[0]))
-    Relay(listener, Path(argv[1])).serve_forever()
+    private_dir = Path(argv[1])
+    Relay(listener, private_dir, upstream_of(private_dir), cap).serve_forever()
 
 
 if __name__ == "__main__":

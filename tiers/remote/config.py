@@ -10,7 +10,8 @@ Accepted URLs::
 
 Passwords never come in the URL (it is shown in process lists and logs): from
 ``password_file``, else from the environment variable ``password_env`` (``KVTIER_REMOTE_PASSWORD``
-by default). IPv6 hosts go in brackets.
+by default). IPv6 hosts go in brackets. Every message that names a URL names it through
+``redact_url``, so a password put there by mistake is not echoed either.
 """
 
 from __future__ import annotations
@@ -51,9 +52,25 @@ class Endpoint:
     query: tuple[tuple[str, str], ...] = ()
 
 
+def redact_url(url: str) -> str:
+    """``url`` with its user info, and that of any URL inside it (a query's metadata server),
+    replaced by ``***``.
+
+    The user info of each URL runs to its last ``@`` before the next ``://`` (where a URL
+    inside it begins), as ``parse_url`` reads it: a password holding ``/``, ``?`` or ``@``
+    is redacted whole, never cut where a host would begin."""
+    segments = url.split("://")
+    for i, segment in enumerate(segments):
+        _, at, rest = segment.rpartition("@")
+        if at:
+            segments[i] = f"***@{rest}"
+    return "://".join(segments)
+
+
 def parse_url(url: str) -> Endpoint:
     """Parses a store URL (see the module docstring); ``ValueError`` says what is wrong."""
     text = url.strip()
+    shown = redact_url(text)
     scheme, sep, rest = text.partition("://")
     if not sep:
         scheme, rest = "redis+cluster", text
@@ -62,32 +79,33 @@ def parse_url(url: str) -> Endpoint:
     kinds = {"redis": "redis", "rediss": "redis", "redis+cluster": "cluster"}
     kinds |= {"rediss+cluster": "cluster", "mooncake": "mooncake"}
     if scheme not in kinds:
-        raise ValueError(f"remote store {url!r}: unknown scheme {scheme!r}; use {sorted(kinds)}")
+        raise ValueError(f"remote store {shown!r}: unknown scheme {scheme!r}; use {sorted(kinds)}")
     kind = kinds[scheme]
-    rest, _, query_text = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    userinfo, at, hostlist = netloc.rpartition("@")
-    if not at:
-        hostlist = netloc
+    inner = rest.find("://")  # a URL in the query (Mooncake's metadata server) begins here
+    userinfo, at, _ = (rest if inner < 0 else rest[:inner]).rpartition("@")
+    if at:
+        rest = rest[len(userinfo) + 1 :]
     if ":" in userinfo:
         raise ValueError(
-            f"remote store {url.split('@')[-1]!r}: no password in the URL; put it in a file "
+            f"remote store {shown!r}: no password in the URL; put it in a file "
             f"(remote_password_file) or ${PASSWORD_ENV}"
         )
+    rest, _, query_text = rest.partition("?")
+    hostlist, _, path = rest.partition("/")
     default_port = MOONCAKE_PORT if kind == "mooncake" else REDIS_PORT
-    hosts = tuple(_host(part, default_port, url) for part in hostlist.split(","))
+    hosts = tuple(_host(part, default_port, shown) for part in hostlist.split(","))
     if kind == "redis" and len(hosts) > 1:
         kind = "cluster"
     db = int(path) if path.isdigit() else 0
     if (path and not path.isdigit()) or (db and kind != "redis"):
-        raise ValueError(f"remote store {url!r}: a database number is for one server only")
+        raise ValueError(f"remote store {shown!r}: a database number is for one server only")
     query = tuple(parse_qsl(query_text, strict_parsing=bool(query_text)))
     allowed = _MOONCAKE_KEYS if kind == "mooncake" else set()
     unknown = {k for k, _ in query} - allowed
     if unknown:
-        raise ValueError(f"remote store {url!r}: unknown options {sorted(unknown)}")
+        raise ValueError(f"remote store {shown!r}: unknown options {sorted(unknown)}")
     if kind == "mooncake" and len(hosts) != 1:
-        raise ValueError(f"remote store {url!r}: Mooncake has one master address")
+        raise ValueError(f"remote store {shown!r}: Mooncake has one master address")
     return Endpoint(kind, hosts, tls, db, userinfo or None, query)
 
 
@@ -147,13 +165,14 @@ class RemoteConfig:
         )
 
 
-def _host(text: str, default_port: int, url: str) -> tuple[str, int]:
+def _host(text: str, default_port: int, shown: str) -> tuple[str, int]:
+    """``(host, port)`` of ``text``; ``shown`` is the URL as errors name it (redacted)."""
     match = _HOST.match(text.strip())
     if match is None:
-        raise ValueError(f"remote store {url!r}: not a host[:port]: {text!r}")
+        raise ValueError(f"remote store {shown!r}: not a host[:port]: {text!r}")
     port = int(match.group("port") or default_port)
     if not 0 < port < 65536:
-        raise ValueError(f"remote store {url!r}: port {port} out of range")
+        raise ValueError(f"remote store {shown!r}: port {port} out of range")
     return match.group("v6") or match.group("name"), port
 
 

@@ -26,7 +26,7 @@ import logging
 import threading
 from abc import abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -93,7 +93,7 @@ class RedisOptions:
     """How to reach the servers; ``password`` is never logged."""
 
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     tls: bool = False
     ca_file: str | None = None
     cert_file: str | None = None
