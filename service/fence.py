@@ -57,7 +57,9 @@ class Fence:
             return
         gone = process_gone(left.client_pid, left.client_pid_ns)
         with self._lock:
-            fenced = self._released.pop(left.session_id, None) is None and not gone
+            released = left.session_id in self._released
+            self._released.pop(left.session_id, None)
+            fenced = not released and not gone
             if fenced:
                 self._held[left.session_id] = (self._clock(), left)
         if not fenced:
