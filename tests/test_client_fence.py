@@ -28,6 +28,7 @@ slots used to be held, after which they were reused with no fence."""
 def daemon():
     d = Daemon(host_bytes=HOST_SLOTS * BLOCK_BYTES, disk_bytes=0, lease_s=2.0).start()
     yield d
+    d.stop()  # the daemon removes its arena
     d.cleanup()
 
 
@@ -65,17 +66,17 @@ def test_a_late_copy_of_a_lost_session_never_reaches_another_sessions_block(daem
         wait_until(lambda: quarantined(daemon) == 1, "the daemon to fence A's slot")
         time.sleep(PAUSE_S)  # A's engine is paused
 
-        b = daemon.client()
-        stored: list[bytes] = []
-        for i in range(2 * HOST_SLOTS):  # one block at a time, through every slot B gets
-            stored += store(b, [block_hash("b", i)])
-        assert len(stored) == 2 * HOST_SLOTS
-        arena[slot * BLOCK_BYTES : (slot + 1) * BLOCK_BYTES] = b"\xaa" * BLOCK_BYTES  # A wakes
-        held = [h for h in stored if b.lookup([h]).host]
-        for h in held:  # exact: none of them is in A's slot
-            assert load(b, [h]) == [h]
-        assert len(held) == HOST_SLOTS - 1  # every slot but A's fenced one
-        assert quarantined(daemon) == 1
+        with arena, daemon.client() as b:
+            stored: list[bytes] = []
+            for i in range(2 * HOST_SLOTS):  # one block at a time, through every slot B gets
+                stored += store(b, [block_hash("b", i)])
+            assert len(stored) == 2 * HOST_SLOTS
+            arena[slot * BLOCK_BYTES : (slot + 1) * BLOCK_BYTES] = b"\xaa" * BLOCK_BYTES  # A wakes
+            held = [h for h in stored if b.lookup([h]).host]
+            for h in held:  # exact: none of them is in A's slot
+                assert load(b, [h]) == [h]
+            assert len(held) == HOST_SLOTS - 1  # every slot but A's fenced one
+            assert quarantined(daemon) == 1
 
         # A's client reopens naming the lost session: nothing of A's is in flight any more.
         stub.Open(
@@ -90,24 +91,21 @@ def test_a_late_copy_of_a_lost_session_never_reaches_another_sessions_block(daem
             timeout=10,
         )
         assert quarantined(daemon) == 0
-        arena.close()
-        b.close()
 
 
 def test_a_client_names_its_lost_session_when_it_reopens(daemon):
     """The client reopens only once it holds no slot of the lost session, and its Open frees
     that session's fenced slots at once (no timer)."""
-    client = daemon.client()
-    held = block_hash("held", 0)
-    (slot,) = client.reserve([held])
-    assert slot >= 0
-    keeper = client._keeper
-    keeper.give_up(keeper.session, "the test breaks the session")
-    wait_until(lambda: quarantined(daemon) == 1, "the daemon to fence the reserved slot")
-    assert not client.wait_connected(0.5)  # the slot is still held here: no new session yet
-    client.abort([slot])  # its copy never started
-    assert client.wait_connected(60)
-    assert quarantined(daemon) == 0  # the Open that reattached the client freed it
-    assert store(client, [held]) == [held]
-    assert load(client, [held]) == [held]
-    client.close()
+    with daemon.client() as client:
+        held = block_hash("held", 0)
+        (slot,) = client.reserve([held])
+        assert slot >= 0
+        keeper = client._keeper
+        keeper.give_up(keeper.session, "the test breaks the session")
+        wait_until(lambda: quarantined(daemon) == 1, "the daemon to fence the reserved slot")
+        assert not client.wait_connected(0.5)  # the slot is still held here: no new session
+        client.abort([slot])  # its copy never started
+        assert client.wait_connected(60)
+        assert quarantined(daemon) == 0  # the Open that reattached the client freed it
+        assert store(client, [held]) == [held]
+        assert load(client, [held]) == [held]
