@@ -17,7 +17,7 @@ ALREADY_STORED: SlotStatus
 NO_SPACE: SlotStatus
 
 class OpenRequest(_message.Message):
-    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group")
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group", "lost_sessions")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class OpenRequest(_message.Message):
     CLIENT_PID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_PID_NS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    LOST_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout_signature: bytes
     block_bytes: int
@@ -34,7 +35,8 @@ class OpenRequest(_message.Message):
     client_pid: int
     client_pid_ns: int
     engine_group: str
-    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ...) -> None: ...
+    lost_sessions: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ..., lost_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms")

@@ -1,15 +1,21 @@
 """The shared-memory arena: the host tier's slab as a file in ``/dev/shm`` every client maps.
 
-The daemon creates ``/dev/shm/kvtier-<name>`` (mode 0600, so only the daemon's user maps it)
+The daemon creates ``<arena_dir>/kvtier-<name>-<layout>`` (``/dev/shm`` by default; mode 0600,
+so only the daemon's user maps it)
 and holds an exclusive ``flock`` on it for its lifetime, so a second daemon of the same name is
 refused while a dead one's leftover file is replaced. Each start makes a NEW file (new inode):
 a client still writing into the old one after a crash can never touch the new daemon's slots.
-The size is checked against the free space of ``/dev/shm`` up front, because a tmpfs that is
-too small fails later with a bus error on first touch rather than at ``ftruncate``.
+The size is checked against the free space of its directory up front, because a tmpfs that is
+too small fails later with a bus error on first touch rather than at ``ftruncate``; a dead
+daemon's leftover arena of the same name is about to be replaced, so its bytes count as free.
+A leftover or removed arena that clients still map keeps its pages until they let go (they do
+once their session is lost and no copy of theirs is in flight): until then creating the new
+one fails with ``ArenaError`` and the client's next ``Open`` tries again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -36,7 +42,7 @@ class Arena:
             raise ValueError(f"arena size must be positive, got {size}")
         self.path = directory / name
         self.size = size
-        _check_space(directory, size)
+        _check_space(directory, size, self.path)
         self._fd = self._create()
         try:
             self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -87,9 +93,13 @@ class Arena:
         self._fd = -1
 
 
-def _check_space(directory: Path, size: int) -> None:
+def _check_space(directory: Path, size: int, replaced: Path) -> None:
+    """Raises ``ArenaError`` unless ``directory`` has room for ``size`` bytes once the file
+    at ``replaced`` (if any) is gone."""
     stat = os.statvfs(directory)
     free = stat.f_bavail * stat.f_frsize
+    with contextlib.suppress(FileNotFoundError):
+        free += os.stat(replaced).st_blocks * 512
     if size > free:
         raise ArenaError(
             f"{directory} has {free / 2**30:.2f} GiB free but the host tier needs "
@@ -105,8 +115,9 @@ def _allocate(fd: int, size: int, path: Path) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EFBIG):
             raise ArenaError(
-                f"{path}: /dev/shm cannot hold {size} bytes ({exc.strerror}); lower --host-bytes "
-                f"or raise the container's --shm-size"
+                f"{path}: {path.parent} cannot hold {size} bytes ({exc.strerror}); lower "
+                "--host-bytes or raise the container's --shm-size (clients still mapping a "
+                "replaced arena let go of it once their copies have landed)"
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise

@@ -77,6 +77,8 @@ class DaemonConfig:
     """``host:port`` to listen on as well; requires a token."""
     token_file: Path | None = None
     host_bytes: ByteSize = 2 * GiB
+    arena_dir: Path = Path("/dev/shm")
+    """Where each layout's arena (its host tier) lives; keep it on tmpfs."""
     data_dir: Path | None = None
     disk_bytes: ByteSize = 16 * GiB
     """0 disables the disk tier (commits are then not durable)."""
@@ -301,6 +303,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tcp", help="also listen on HOST:PORT (requires --token-file or $KVTIER_TOKEN)")
     add("--token-file", help="file holding the shared token for TCP clients")
     add("--host-bytes", help="host tier (shared-memory arena) size, e.g. 2GiB (default 2GiB)")
+    add("--arena-dir", help=f"directory of the shared-memory arenas (default {d.arena_dir})")
     add("--data-dir", help="disk tier directory (default ~/.local/share/kvtier/NAME)")
     add("--disk-bytes", help="disk tier budget, e.g. 16GiB; 0 disables it (default 16GiB)")
     add(

@@ -9,7 +9,6 @@ or the network and are run off the event loop by the servicer.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -18,8 +17,8 @@ from functools import partial
 
 from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
+from kvtier.service.fence import Fence
 from kvtier.service.layout_store import LayoutStore
-from kvtier.service.liveness import process_gone
 from kvtier.service.rpc.wire import check_hash, invalid
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
@@ -28,8 +27,8 @@ from kvtier.tiers.lower import MAX_META_BYTES, NO_SPACE, LowerHits
 log = logging.getLogger(__name__)
 
 SIGNATURE_BYTES = 16
-QUARANTINE_S = 10.0
-"""How long a lost live client's slots stay held: far longer than any copy of one batch."""
+MAX_LOST_SESSIONS = 64
+"""Lost sessions one Open may name (a client names the few it lost since its last session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +48,7 @@ class Daemon:
         self.events = store.events
         self.sessions = SessionTable(config.lease_s, config.max_sessions)
         self.daemon_id = uuid.uuid4().hex
-        self._quarantine: list[tuple[float, Leftovers]] = []
-        self._quarantine_lock = threading.Lock()
+        self.fence = Fence(self._give_back)
         self._started = time.monotonic()
 
     # ---- sessions ----
@@ -67,8 +65,14 @@ class Daemon:
         client_pid: int = 0,
         client_pid_ns: int = 0,
         engine_group: str = "",
+        lost_sessions: Sequence[str] = (),
     ) -> Opened:
-        """Blocking: the first Open of a layout creates its arena and opens its disk tier."""
+        """Blocking: the first Open of a layout creates its arena and opens its disk tier.
+
+        ``lost_sessions`` are earlier sessions of this client that ended without ``Close``;
+        naming them says the client holds none of their slots and has no copy in flight
+        through them, so their fenced slots come back.
+        """
         if protocol_version != PROTOCOL_VERSION:
             raise invalid(
                 f"protocol version {protocol_version}; this daemon speaks {PROTOCOL_VERSION}"
@@ -77,6 +81,10 @@ class Daemon:
             raise invalid(f"layout_signature is {len(signature)} bytes, must be 16")
         if block_bytes <= 0:
             raise invalid("block_bytes must be positive")
+        if lost_sessions:
+            freed = self.fence.release(lost_sessions[:MAX_LOST_SESSIONS])
+            if freed:
+                log.info("%d fenced slots given back: their client reopened", freed)
         store = self.store.open_layout(signature, block_bytes)
         if store.host.reclaim is None:
             store.host.reclaim = partial(self._yield_hold, store)
@@ -116,30 +124,27 @@ class Daemon:
         """The keep-alive stream ended: the session ends with it."""
         left = self.sessions.detach(session_id)
         if left is not None:
-            self._give_back_after_loss(left)
+            self.fence.hold(left)
             log.info(
-                "session %s ended with its keep-alive stream (%d reserved and %d "
-                "acquired slots given back)",
+                "session %s ended with its keep-alive stream (it held %d reserved and %d "
+                "acquired slots)",
                 session_id[:8],
                 len(left.reserved),
                 len(left.acquired),
             )
 
     def reap(self) -> int:
-        """Ends lapsed sessions and frees quarantined slots that are due; returns sessions ended."""
+        """Ends lapsed sessions and frees fenced slots of clients found gone; returns
+        sessions ended."""
         now = time.monotonic()
-        with self._quarantine_lock:
-            due = [left for until, left in self._quarantine if until <= now]
-            self._quarantine = [(t, left) for t, left in self._quarantine if t > now]
-        for left in due:
-            self._give_back(left)
+        self.fence.sweep()
         for layout, slots in self.sessions.expire_holds(now):
             self._give_back(Leftovers(layout, [], [], held=slots))
         ended = self.sessions.reap()
         for session, left in ended:
-            self._give_back_after_loss(left)
+            self.fence.hold(left)
             log.warning(
-                "session %s of %r lapsed (%d reserved and %d acquired slots given back)",
+                "session %s of %r lapsed (it held %d reserved and %d acquired slots)",
                 session.session_id[:8],
                 session.client_name,
                 len(left.reserved),
@@ -149,9 +154,7 @@ class Daemon:
 
     def shutdown(self) -> None:
         """Ends every session, then flushes and closes the store."""
-        with self._quarantine_lock:
-            held, self._quarantine = self._quarantine, []
-        for _, left in held:
+        for left in self.fence.drain():
             self._give_back(left)
         for left in self.sessions.close_all():
             self._give_back(left)
@@ -273,14 +276,13 @@ class Daemon:
 
     def stats(self) -> dict:
         """A snapshot of every counter, as plain values (for gRPC, JSON and Prometheus)."""
-        with self._quarantine_lock:
-            held = list(self._quarantine)
+        held = self.fence.held()
         tiers, layouts = [], []
         for store in self.store.layouts():
             sessions, reserved, acquired, holds = self.sessions.held(store.signature)
             quarantined = sum(
                 len(left.reserved) + len(left.acquired)
-                for _, left in held
+                for left in held
                 if left.layout == store.signature
             )
             for counters in store.tier_counters():
@@ -329,29 +331,6 @@ class Daemon:
         store = self.store.get(session.layout)
         assert store is not None, "a session's layout outlives it"
         return store
-
-    def _give_back_after_loss(self, left: Leftovers) -> None:
-        """Frees what a session that ended without ``Close`` held, once that is safe.
-
-        A client that is gone copies nothing more, so its slots come back at once. A live one
-        that lost its stream may still have a copy in flight into a reserved slot, or out of
-        an acquired one: those slots stay held (unreadable, unevictable) for ``QUARANTINE_S``
-        so that they are never reused under that copy.
-        """
-        if process_gone(left.client_pid, left.client_pid_ns):
-            self._give_back(left)
-            return
-        self._give_back(Leftovers(left.layout, [], [], held=left.held))
-        left.held = []
-        if left.reserved or left.acquired:
-            with self._quarantine_lock:
-                self._quarantine.append((time.monotonic() + QUARANTINE_S, left))
-            log.warning(
-                "holding %d slots of a live client (pid %d) for %.0f s before reuse",
-                len(left.reserved) + len(left.acquired),
-                left.client_pid,
-                QUARANTINE_S,
-            )
 
     def _give_back(self, left: Leftovers) -> None:
         store = self.store.get(left.layout)

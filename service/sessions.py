@@ -90,6 +90,7 @@ class Leftovers:
     layout: bytes
     reserved: list[int]
     acquired: list[int]
+    session_id: str = ""
     client_pid: int = 0
     client_pid_ns: int = 0
     held: list[int] = field(default_factory=list)
@@ -386,6 +387,7 @@ def _leftovers(session: Session) -> Leftovers:
         session.layout,
         sorted(session.reserved),
         list(session.acquired.elements()),
+        session.session_id,
         session.client_pid,
         session.client_pid_ns,
         _unpins(session.holds.values()),

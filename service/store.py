@@ -1,7 +1,7 @@
 """Every layout the daemon serves, each with its own arena, disk directory and budgets.
 
 One daemon serves every model on the node. The first ``Open`` of a layout (signature and
-block size) creates its arena (``/dev/shm/kvtier-<name>-<layout>``, ``host_bytes``) and its
+block size) creates its arena (``<arena_dir>/kvtier-<name>-<layout>``, ``host_bytes``) and its
 disk tier (``<data_dir>/<layout>/``, ``disk_bytes``); a layout served before finds its disk
 tier there again, with every block it committed. Layouts are built at their first ``Open``
 only, so a layout no engine uses any more costs no shared memory. At most ``max_layouts`` are
@@ -101,7 +101,9 @@ class BlockStore:
                 f"this daemon already serves {len(self._layouts)} layouts (max_layouts); "
                 "raise --max-layouts or run another daemon (--name)"
             )
-        arena = Arena(f"{config.arena_name}-{signature.hex()[:12]}", config.host_bytes)
+        arena = Arena(
+            f"{config.arena_name}-{signature.hex()[:12]}", config.host_bytes, config.arena_dir
+        )
         disk_path = None
         if config.disk_bytes > 0:
             self._layout_dir(signature).mkdir(mode=0o700, parents=True, exist_ok=True)

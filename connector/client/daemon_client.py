@@ -28,7 +28,7 @@ from functools import partial
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvtier.connector.client.arena import ArenaView
+from kvtier.connector.client.arena import ArenaView, PageLock, PageUnlock
 from kvtier.connector.client.circuit import leave_breaker, shared_breaker
 from kvtier.connector.client.later import LaterCalls
 from kvtier.connector.client.session import SessionKeeper, SlotLedger
@@ -172,6 +172,19 @@ class DaemonClient(ToolCalls):
     def wait_connected(self, timeout: float | None = None) -> bool:
         """Blocks until a session is open (or ``timeout``); True if one is."""
         return self._keeper.wait_connected(timeout)
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether the arena mapped now is page-locked by ``page_lock_with``'s function."""
+        return self._arena.page_locked
+
+    def page_lock_with(self, lock: PageLock, unlock: PageUnlock) -> None:
+        """Page-locks every arena this client maps with ``lock(slab)`` (``cudaHostRegister``
+        under the engine's device), on the client's own thread before the session that uses
+        it is published, and unlocks it with ``unlock(slab)`` before it is unmapped: a daemon
+        restart never locks or unlocks on the engine's thread. The arena mapped now, if any,
+        is locked at once on the calling thread."""
+        self._arena.page_lock_with(lock, unlock)
 
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""

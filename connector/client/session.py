@@ -1,11 +1,18 @@
 """The daemon client's session: opening it, holding its keep-alive stream, reconnecting.
 
-A background thread opens a session, maps the layout's arena, and then blocks on the
-session's keep-alive stream; the daemon ends the session (and takes back every slot of it)
-when that stream breaks. When the client gives a session up (a call that may have changed
-slots failed in a way it cannot repair), the thread opens a new one only once the engine has
-handed back every slot of the old one, so a slot id can never mean two things; if the daemon
-restarted meanwhile (a new daemon id), the arena is mapped afresh first.
+A background thread (the keeper) opens a session, maps the layout's arena, and then blocks on
+the session's keep-alive stream; the daemon ends the session when that stream breaks. When the
+stream breaks or the client gives a session up (a call that may have changed slots failed in a
+way it cannot repair), the keeper opens a new one only once the engine has handed back every
+slot of the old one (every copy through them has landed), so a slot id can never mean two
+things. The new session's Open names the lost ones: that is the daemon's proof that no copy of
+this client can still land in their slots, which it fenced until then.
+
+While no slot is in use the keeper also lets go of an arena the daemon no longer has (a
+stopped or restarted daemon removed or replaced the file): that mapping alone would keep its
+pages, and a restarted daemon needs the room for its new arena. A new arena is mapped, and
+page-locked where the engine asked for it, on the keeper's thread before the session that uses
+it is published, so the engine's thread never pays for either.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 2.0
+_MAX_LOST = 16
+"""Lost sessions named in the next Open (the keeper loses at most one per session it opens)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +109,11 @@ class SessionKeeper:
         self._on_open = on_open
         self.session: str | None = None
         self.limits = Limits()
-        self.daemon_id: str | None = None
         self.sessions_opened = 0
         self.lost = 0
         """Sessions that ended under the client (stream broke, or given up)."""
+        self._unnamed: list[str] = []
+        """Lost sessions not yet named to the daemon by a successful Open."""
         self._keepalive: grpc.Future | None = None
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._maintain, name="kvtier-client", daemon=True)
@@ -114,17 +124,18 @@ class SessionKeeper:
             return self._ledger.changed.wait_for(lambda: self.session is not None, timeout)
 
     def give_up(self, session: str | None, why: str) -> None:
-        """Ends ``session`` here and on the daemon (which takes its slots back)."""
+        """Ends ``session`` here and on the daemon (which fences its slots until the next Open
+        names it)."""
         with self._lock:
             if session is None or self.session != session:
                 return
             self.session = None
-            self.lost += 1
+            self._lose(session)
             keepalive = self._keepalive
             self._ledger.changed.notify_all()
         log.warning("kvtier daemon %s: %s; misses until reconnected", self._target, why)
         if keepalive is not None:
-            keepalive.cancel()  # ends the session on the daemon, which takes its slots back
+            keepalive.cancel()  # ends the session on the daemon
 
     def close(self) -> None:
         """Closes the session (the daemon gets back any slot still held) and stops."""
@@ -135,7 +146,7 @@ class SessionKeeper:
             self._ledger.changed.notify_all()
         if session is not None:
             # Close before the stream ends: a session that merely lost its stream keeps its
-            # slots quarantined for a while, one closed gives them back at once.
+            # slots fenced until this process exits, one closed gives them back at once.
             with contextlib.suppress(grpc.RpcError):
                 self._stub.Close(
                     pb.SessionRequest(session_id=session),
@@ -157,6 +168,8 @@ class SessionKeeper:
                 )
             if self._closing.is_set():
                 return
+            if self._arena is not None and self._arena.stale:
+                self._arena.unmap()  # no slot is in use (the wait above): nothing reads it
             unsafe = self._unsafe_socket_dir()
             if unsafe:
                 if unsafe != refusal:
@@ -164,10 +177,12 @@ class SessionKeeper:
                     log.error("kvtier daemon %s not used: %s", self._target, unsafe)
                 self._closing.wait(_MAX_BACKOFF_S)
                 continue
+            request = pb.OpenRequest()
+            request.CopyFrom(self._request)
+            with self._lock:
+                request.lost_sessions.extend(self._unnamed)
             try:
-                opened = self._stub.Open(
-                    self._request, timeout=self._timeout_s, metadata=self._metadata
-                )
+                opened = self._stub.Open(request, timeout=self._timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 refused = exc.code() not in (
                     grpc.StatusCode.UNAVAILABLE,
@@ -184,6 +199,8 @@ class SessionKeeper:
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
                 continue
             backoff = 0.05
+            with self._lock:
+                del self._unnamed[: len(request.lost_sessions)]
             self._hold(opened)
 
     def _unsafe_socket_dir(self) -> str | None:
@@ -200,7 +217,7 @@ class SessionKeeper:
 
     def _hold(self, opened: pb.OpenResponse) -> None:
         """Publishes the session and blocks on its keep-alive stream until it breaks."""
-        if self._arena is not None and opened.daemon_id != self.daemon_id:
+        if self._arena is not None and not self._arena.maps(opened.arena_path):
             # No slot is in use here (the loop waited for that), so re-mapping is safe.
             try:
                 self._arena.map(opened.arena_path, opened.arena_bytes, opened.num_slots)
@@ -218,7 +235,6 @@ class SessionKeeper:
                     )
                 self._closing.wait(_MAX_BACKOFF_S)
                 return
-        self.daemon_id = opened.daemon_id
         keepalive = self._stub.KeepAlive(
             pb.SessionRequest(session_id=opened.session_id), metadata=self._metadata
         )
@@ -252,7 +268,14 @@ class SessionKeeper:
         with self._lock:
             if self.session == opened.session_id:
                 self.session = None
-                self.lost += 1
+                self._lose(opened.session_id)
                 log.warning("kvtier daemon %s: session lost (%s); reconnecting", self._target, why)
             self._keepalive = None
             self._ledger.changed.notify_all()
+
+    def _lose(self, session: str) -> None:
+        """Counts a session that ended under the client and keeps it for the next Open to
+        name; call with the lock held."""
+        self.lost += 1
+        self._unnamed.append(session)
+        del self._unnamed[:-_MAX_LOST]

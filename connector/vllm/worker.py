@@ -25,7 +25,12 @@ sliding-window group's blocks are freed by vLLM while their request runs; when a
 out a block a store still reads, that store starts first and the step is ordered after it.
 
 The copies themselves never make the engine's thread wait for the GPU (``CopyEngine``); the
-arena is page-locked by the copy engine on this thread, under this worker's device. Reserves,
+arena is page-locked under this worker's device by the daemon client, on its own thread, as it
+maps it (at start-up: on this thread, at ``register_kv_caches``), so a daemon restart never
+locks tens of GiB mid-step. Slots belong to the client's session that handed them out; a copy
+not started before that session was lost is dropped (a store's slots aborted, a load's blocks
+recomputed): its slots are fenced on the daemon until the client proves, by opening its next
+session, that nothing of its can land in them, and a late copy would only delay that. Reserves,
 acquires for async loads and commits run on helper threads (the commit thread never holds up
 a release: releases are sent without waiting); every daemon call is bounded by the client's
 deadline and never raises for daemon trouble.
@@ -38,6 +43,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 
 import torch
 
@@ -50,6 +56,7 @@ from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec, 
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
 from kvtier.connector.vllm.stores import PendingStore, StoreQueue
 from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.host.tier import ALREADY_STORED
 
@@ -108,9 +115,17 @@ class WorkerSide:
     # ---- set-up and teardown ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        locked: set[int] = set()
         for group in self.groups.values():
             placement = kv_placement(group.layout, kv_caches, list(group.layer_names))
-            engine = CopyEngine(placement, self._client(group).slab)
+            client = self._client(group)
+            if placement.device.type == "cuda" and id(client) not in locked:
+                locked.add(id(client))
+                client.page_lock_with(
+                    partial(register_host, device=placement.device, row_bytes=client.block_bytes),
+                    partial(_unregister, device=placement.device),
+                )
+            engine = CopyEngine(placement, client.slab, lock_host=False)
             self.engines[group.index] = engine
             log.info(
                 "kvtier worker %d, group %d (%s): %d layers, %d blocks of %d B on %s (%s), "
@@ -123,7 +138,7 @@ class WorkerSide:
                 group.layout.block_bytes,
                 placement.device,
                 "one DMA per block" if placement.block_contiguous else "staged",
-                "page-locked" if engine.host_pinned else "not locked yet",
+                "page-locked" if client.page_locked else "not locked yet",
             )
 
     @property
@@ -259,7 +274,7 @@ class WorkerSide:
         slots = self._client(group).acquire(hashes)
         self._failed(spec, spec.block_ids[len(slots) :])
         if slots:
-            transfer = self._copy_slots(group, slots, spec.block_ids[: len(slots)])
+            transfer = self._copy_slots(group, spec, slots, spec.block_ids[: len(slots)])
             transfer.order_before()  # this step's attention reads the blocks
 
     def _advance_loads(self) -> None:
@@ -282,17 +297,26 @@ class WorkerSide:
         )
         load.advance(
             lambda hashes: self._acquirer.submit(client.acquire, hashes),
-            lambda slots, block_ids: self._copy_slots(group, slots, block_ids),
+            lambda slots, block_ids: self._copy_slots(group, load.spec, slots, block_ids),
             self._failed,
             client.acquire_room() - asking,
             client.chunk_blocks,
         )
 
-    def _copy_slots(self, group: KVGroup, slots: list[int], block_ids: list[int]) -> Transfer:
-        """Copies slots into vLLM's blocks; the slots are released once the copy read them."""
+    def _copy_slots(
+        self, group: KVGroup, spec: LoadSpec, slots: list[int], block_ids: list[int]
+    ) -> Transfer:
+        """Copies slots into vLLM's blocks; the slots are released once the copy read them.
+        Slots of a session lost meanwhile are handed back unread and their blocks failed."""
+        client = self._client(group)
+        if not client.connected:
+            # A new session opens only once every slot of the last one is handed back, so
+            # held slots belong to the session in use, if there is one.
+            client.release(slots)
+            self._failed(spec, block_ids)
+            return Transfer(0, 0)  # nothing copied, nothing to wait for
         self.stats.add("loaded_blocks", len(slots))
         self.stats.add("loaded_bytes", len(slots) * group.layout.block_bytes)
-        client = self._client(group)
         # sent without waiting once the copy has read them: never behind a commit
         return self.engines[group.index].load(
             slots, block_ids, callback=lambda: client.release(slots)
@@ -370,6 +394,11 @@ class WorkerSide:
         readers = Counter(store.owners[i] for i in picked)
         client = self._client(group)
         block_bytes = group.layout.block_bytes
+        if not client.connected:  # the session that reserved them is gone (see _copy_slots)
+            client.abort(mine_slots)
+            self.stats.add("store_failed_blocks", len(mine_slots))
+            self._stored(readers, mine_blocks)
+            return
 
         def done() -> None:
             self._finisher.submit(self._commit, client, mine_slots, block_bytes)
@@ -396,3 +425,7 @@ class WorkerSide:
     def _commit(self, client: DaemonClient, slots: list[int], block_bytes: int) -> None:
         """Runs on the committer thread; the engine thread counts the outcome."""
         self._commits.append((len(slots), len(slots) * block_bytes, client.commit(slots)))
+
+
+def _unregister(slab: torch.Tensor, device: torch.device) -> None:
+    unregister_host(slab.data_ptr(), device)

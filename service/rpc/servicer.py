@@ -117,6 +117,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 client_pid=pid,
                 client_pid_ns=pid_ns,
                 engine_group=request.engine_group[:128],
+                lost_sessions=list(request.lost_sessions),
             )
         )
         arena = opened.store.arena

@@ -8,11 +8,12 @@ run on side streams (``cuda_copy``), on a CPU synchronously (``cpu_copy``); the 
 the same (``plan``).
 
 The engine locks (``cudaHostRegister``) the slab it copies through on first use, on the
-calling (engine) thread and under the KV buffer's device. The slab tensor may be re-pointed
-(``set_``) at a new mapping between transfers, as the daemon client does when the daemon
-restarts; the engine reads it afresh for every transfer, unlocks the old mapping and locks
-the new one. Completed transfers run their callbacks (commit the stored slots, release the
-read ones) from ``poll()``, which never blocks, in order per direction.
+calling (engine) thread and under the KV buffer's device, unless the slab's owner locks it
+(``lock_host=False``: the daemon client locks each mapping on its own thread). The slab tensor
+may be re-pointed (``set_``) at a new mapping between transfers, as the daemon client does
+when the daemon restarts; the engine reads it afresh for every transfer, unlocks the old
+mapping and locks the new one. Completed transfers run their callbacks (commit the stored
+slots, release the read ones) from ``poll()``, which never blocks, in order per direction.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class CopyEngine:
         *,
         counters: TierCounters | None = None,
         staging_bytes: int = TUNABLES.staging_bytes,
+        lock_host: bool = True,
     ):
         block_bytes = placement.layout.block_bytes
         if slab.dim() != 2 or slab.shape[1] != block_bytes or slab.dtype != torch.uint8:
@@ -63,6 +65,7 @@ class CopyEngine:
         self.on_cuda = self.device.type == "cuda"
         self.host_pinned = False
         """Whether the slab is page-locked (on CUDA; a pageable slab makes copies synchronous)."""
+        self._lock_host = lock_host
         self._mapping: int | None = None  # address of the slab mapping last prepared
         self._locked = False  # whether this engine locked that mapping (and must unlock it)
         self._stores = CompletionQueue()
@@ -98,6 +101,9 @@ class CopyEngine:
         """
         if not self.on_cuda:
             return False
+        if not self._lock_host:
+            self.host_pinned = is_registered(self.slab)
+            return self.host_pinned
         ptr = self.slab.data_ptr()
         if self.slab.numel() == 0 or ptr == self._mapping:
             return self.host_pinned  # a mapping that could not be locked is not tried again
