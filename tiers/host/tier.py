@@ -192,8 +192,16 @@ class HostTier(Promotion):
                 raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
         result: list[int] = []
         with self._lock:
+            index = self._slots.index
+            # The tier below is asked once for the whole batch (one read of its index),
+            # and so are the slots evicted to make room.
+            fresh = {h for h in hashes if h not in index}
+            below = self.lower.holding(list(fresh)) if self.lower is not None and fresh else set()
+            evicted = self._make_room(len(fresh - below))
+            if self.lower is not None:
+                below |= evicted  # the tier below has each block evicted (spilled if need be)
             for i, h in enumerate(hashes):
-                if h in self._slots.index or (self.lower is not None and self.lower.contains(h)):
+                if h in index or h in below:
                     self.counters.blocks_deduplicated += 1
                     result.append(ALREADY_STORED)
                     continue
@@ -311,8 +319,9 @@ class HostTier(Promotion):
         spilled = 0
         with self._lock:
             table = self._slots
+            below = self.lower.holding(list(table.index))
             for block_hash, slot in list(table.index.items()):
-                if table.state[slot] == READY and not self.lower.contains(block_hash):
+                if table.state[slot] == READY and block_hash not in below:
                     self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
                     spilled += 1
             self.counters.blocks_spilled += spilled
@@ -343,23 +352,32 @@ class HostTier(Promotion):
         return block_hash
 
     def _take_slot(self) -> int | None:
-        """A free slot, evicting the LRU committed slot if need be (spilling it into the
-        disk tier when that tier lacks it)."""
-        slot = self._slots.pop_free()
-        if slot is not None:
-            return slot
-        slot = self._slots.lru_pop()
-        if slot is None:
-            return None
-        table = self._slots
-        victim, meta = table.hash_of(slot), table.meta.get(slot, b"")
-        if self.lower is not None and not self.lower.contains(victim):
-            self.lower.put(victim, self._slab_np[slot], meta)
-            self.counters.blocks_spilled += 1
-        self.counters.blocks_evicted += 1
-        self._drop(slot)
-        self._emit("removed", victim, meta)
+        """A free slot, evicting the LRU committed slot if need be."""
+        self._make_room(1)
         return self._slots.pop_free()
+
+    def _make_room(self, wanted: int) -> set[BlockHash]:
+        """Evicts LRU committed slots until ``wanted`` slots are free (or none is left to
+        evict), spilling into the disk tier those it lacks (asked once for them all);
+        returns the hashes evicted."""
+        table = self._slots
+        victims = []
+        while table.free + len(victims) < wanted:
+            slot = table.lru_pop()
+            if slot is None:
+                break
+            victims.append((slot, table.hash_of(slot), table.meta.get(slot, b"")))
+        if not victims:
+            return set()
+        below = self.lower.holding([v for _, v, _ in victims]) if self.lower is not None else set()
+        for slot, victim, meta in victims:
+            if self.lower is not None and victim not in below:
+                self.lower.put(victim, self._slab_np[slot], meta)
+                self.counters.blocks_spilled += 1
+            self.counters.blocks_evicted += 1
+            self._drop(slot)
+            self._emit("removed", victim, meta)
+        return {victim for _, victim, _ in victims}
 
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
