@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host.slots import READY
@@ -19,7 +20,8 @@ PROMOTE_WAIT_S = 0.25
 
 class Promotion:
     """Needs ``HostTier``'s lock, condition, slot table, lower and remote tiers, counters,
-    ``reclaim``, and its ``_take_slot``, ``_claim``, ``_drop`` and ``_emit``."""
+    ``reclaim``, writes-behind ledger, and its ``_take_slot``, ``_claim``, ``_drop``,
+    ``_written`` and ``_emit``."""
 
     def _promote(
         self, hashes: Sequence[BlockHash], found: list[int | None], pos: int, sources: LowerHits
@@ -121,10 +123,24 @@ class Promotion:
                 self._drop(slot)
             self._changed.notify_all()
         sources.remote += len(got)
-        if self.lower is not None:  # a remote hit lands in the disk tier too
-            for slot in got:
-                self.lower.put(self._slots.hash_of(slot), self._slab_np[slot], self.meta_of(slot))
+        if self.lower is not None:
+            self._write_down(got)
         return got
+
+    def _write_down(self, slots: list[int]) -> None:
+        """A remote hit lands in the disk tier too, written from its slot (pinned until the
+        write is done), as a commit's is: no copy of its own per block, so however many
+        blocks a promotion brings, the memory they take is the host slots they are in."""
+        blocks = []
+        with self._lock:
+            for slot in slots:
+                self._slots.pin(slot)
+                self._behind_left[slot] = self._behind_left.get(slot, 0) + 1
+                blocks.append((slot, self._slots.hash_of(slot), self._slots.meta.get(slot, b"")))
+        for slot, block_hash, meta in blocks:
+            self.lower.write_behind(
+                block_hash, self._slab_np[slot], meta, partial(self._written, slot)
+            )
 
     def _ready_promoted(self, slot: int) -> None:
         """A promoted slot becomes readable, pinned once for the caller; call under the lock."""

@@ -157,7 +157,7 @@ class HostTier(Promotion):
 
     @property
     def writing_behind(self) -> int:
-        """Committed blocks whose write to a tier below has not finished."""
+        """Blocks (committed or promoted) whose write to a tier below has not finished."""
         with self._lock:
             return len(self._behind_left)
 
