@@ -119,6 +119,27 @@ class HostTier(Promotion):
         section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
         return self._lookup(hashes, hold=True)
 
+    def lookup_in_memory(
+        self, hashes: Sequence[BlockHash], hold: bool
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]] | None:
+        """``lookup`` (``hold`` False) or ``lookup_holding`` (True) when this tier's memory
+        alone answers it: every hash is here, or no tier lies below. Otherwise None, having
+        changed nothing: a tier below must be asked, which may read the disk or the network."""
+        for h in hashes:
+            check_hash(h)
+        below = self.lower is not None or self.remote is not None
+        resident: list[tuple[BlockHash, int]] = []
+        with self._lock:
+            for h in hashes:
+                slot = self._slots.ready_slot(h)
+                if slot is None:
+                    if below:
+                        return None
+                    break
+                resident.append((h, slot))
+            self._mark_read(resident, hold)
+        return LowerHits(host=len(resident)), resident if hold else []
+
     def _lookup(
         self, hashes: Sequence[BlockHash], hold: bool
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
@@ -145,15 +166,20 @@ class HostTier(Promotion):
                     else:
                         hits.disk += 1
                 pos += run
-            for _, slot in reversed(resident):
-                if hold:
-                    table.pin(slot)
-                else:
-                    table.touch(slot)
+            self._mark_read(resident, hold)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
         return hits, resident if hold else []
+
+    def _mark_read(self, resident: list[tuple[BlockHash, int]], hold: bool) -> None:
+        """Pins (``hold``) or touches a lookup's host hits, the prefix's head last; call
+        under the lock."""
+        for _, slot in reversed(resident):
+            if hold:
+                self._slots.pin(slot)
+            else:
+                self._slots.touch(slot)
 
     @property
     def writing_behind(self) -> int:
