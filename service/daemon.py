@@ -162,8 +162,11 @@ class Daemon:
 
     # ---- blocks ----
 
-    def lookup(self, session_id: str, hashes: Sequence[bytes], peer: str = "") -> LowerHits:
-        """Blocking when the remote tier is asked.
+    def lookup(
+        self, session_id: str, hashes: Sequence[bytes], peer: str = "", memory_only: bool = False
+    ) -> LowerHits | None:
+        """Blocking when the disk or remote tier is asked; with ``memory_only`` never, and
+        None (nothing done) where they would be.
 
         The host hits are held for the session for ``lookup_hold_s`` (within its share of
         the slots), so that the acquire that follows finds them where this answer says they
@@ -171,15 +174,22 @@ class Daemon:
         """
         session = self.sessions.get(session_id, peer)
         store = self._store(session)
-        if self.config.lookup_hold_s <= 0:
-            return store.lookup(hashes, session.block_tokens)
-        hits, pinned = store.lookup_holding(hashes, session.block_tokens)
+        hold = self.config.lookup_hold_s > 0
+        found = store.lookup(hashes, session.block_tokens, hold=hold, memory_only=memory_only)
+        if found is None:
+            return None
+        hits, pinned = found
         if pinned:
             until = time.monotonic() + self.config.lookup_hold_s
             back = self.sessions.add_holds(session_id, pinned, until, self.slot_quota(store))
             if back:
                 store.release(back)
         return hits
+
+    def below_host(self, session_id: str, peer: str = "") -> bool:
+        """Whether the session's layout has a tier below the host tier: then its stores and
+        the lookups its host tier misses may block on the disk or the network."""
+        return self._store(self.sessions.get(session_id, peer)).below_host
 
     def reserve(
         self,

@@ -90,18 +90,27 @@ class LayoutStore:
 
     # ---- operations (the daemon has validated ownership and arguments) ----
 
-    def lookup(self, hashes: Sequence[bytes], block_tokens: int) -> LowerHits:
-        hits = self.host.lookup(hashes)
-        self._count_lookup(len(hashes), hits, block_tokens)
-        return hits
+    @property
+    def below_host(self) -> bool:
+        """Whether a tier lies below the host tier: then a store or a lookup that misses the
+        host tier may read the disk or the network (blocking)."""
+        return self.disk is not None or self.remote is not None
 
-    def lookup_holding(
-        self, hashes: Sequence[bytes], block_tokens: int
-    ) -> tuple[LowerHits, list[tuple[bytes, int]]]:
-        """``lookup`` with its host hits pinned: (hits, [(hash, slot)]); see ``HostTier``."""
-        hits, pinned = self.host.lookup_holding(hashes)
-        self._count_lookup(len(hashes), hits, block_tokens)
-        return hits, pinned
+    def lookup(
+        self, hashes: Sequence[bytes], block_tokens: int, *, hold: bool, memory_only: bool = False
+    ) -> tuple[LowerHits, list[tuple[bytes, int]]] | None:
+        """(hits, [(hash, slot)] pinned when ``hold``); see ``HostTier``. Blocking, unless
+        ``memory_only``: then None, having changed nothing, where a tier below must be asked."""
+        if memory_only:
+            found = self.host.lookup_in_memory(hashes, hold)
+            if found is None:
+                return None
+        elif hold:
+            found = self.host.lookup_holding(hashes)
+        else:
+            found = self.host.lookup(hashes), []
+        self._count_lookup(len(hashes), found[0], block_tokens)
+        return found
 
     def _count_lookup(self, asked: int, hits: LowerHits, block_tokens: int) -> None:
         for tier, hit in ((HOST, hits.host), (DISK, hits.disk), (REMOTE, hits.remote)):

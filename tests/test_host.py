@@ -205,3 +205,36 @@ def test_write_behind_enters_the_lru_tail_first_and_an_acquire_keeps_its_prefix(
         host.release(acquired)
     finally:
         disk.close()
+
+
+def test_a_reserve_reads_the_disk_index_once_per_batch(tmp_path, monkeypatch):
+    """Whether the disk tier holds a hash, and whether it holds each block evicted to make
+    room, is asked in one LMDB read transaction for the whole batch, not one per hash under
+    the host tier's lock."""
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 256)
+    try:
+        host = HostTier(BLOCK, BLOCK * 32, lower=disk, write_behind=True)
+        for i in range(32):  # a full host tier, every block on disk too
+            store(host, i)
+        disk.flush()
+        on_disk = [h(i) for i in range(32)]
+        assert all(disk.contains(b) for b in on_disk)
+        index = disk._s.index
+        read = index.read
+        opened = []
+
+        def counted_read():
+            opened.append(1)
+            return read()
+
+        monkeypatch.setattr(index, "read", counted_read)
+        batch = [h(i) for i in range(28, 92)]  # four already stored, sixty new
+        slots = host.reserve(batch)
+        assert slots[:4] == [ALREADY_STORED] * 4
+        assert sum(s >= 0 for s in slots) == 32 and slots.count(NO_SPACE) == 28
+        assert len(opened) <= 2, f"{len(opened)} read transactions for one reserve"
+        monkeypatch.setattr(index, "read", read)
+        host.abort([s for s in slots if s >= 0])
+        assert all(disk.contains(b) for b in on_disk)  # every evicted block is still below
+    finally:
+        disk.close()

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from kvtier.bench.redis_server import RedisProcess
+from kvtier.tiers.disk.tier import DiskTier
+from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.remote.format import block_key, check_prefix, key_prefix
 from kvtier.tiers.remote.redis import _PACKER, Parts, RedisStandalone
 from kvtier.tiers.remote.tier import RemoteSettings, RemoteTier
@@ -210,3 +212,47 @@ def test_a_value_in_parts_goes_out_as_one_bulk_string_uncopied():
     whole = b"head" + bytes(payload)
     plain = b"".join(bytes(c) for c in _PACKER.pack("SET", b"key", whole))
     assert b"".join(bytes(c) for c in packed) == plain
+
+
+def test_remote_promotions_take_no_buffer_per_block(tier, tmp_path, monkeypatch):
+    """Remote hits promoted into host slots reach the disk tier from those slots: the
+    promotion takes no copy buffer of its own per block, so the buffers alive at once stay
+    bounded however many blocks are promoted."""
+    hashes = [block_hash("promoted", i) for i in range(48)]
+    assert store(tier, hashes) == [True] * len(hashes)
+    disk = DiskTier(tmp_path, SIGNATURE, BLOCK_BYTES, 1024 * BLOCK_BYTES)
+    try:
+        host = HostTier(BLOCK_BYTES, 64 * BLOCK_BYTES, lower=disk, remote=tier, write_behind=True)
+        pool = disk._s.pool
+        taken, given = pool.acquire, pool.release
+        caller = threading.get_ident()
+        counts = {"by_caller": 0, "alive": 0, "most_alive": 0}
+        lock = threading.Lock()
+
+        def counted_acquire():
+            with lock:
+                counts["by_caller"] += threading.get_ident() == caller
+                counts["alive"] += 1
+                counts["most_alive"] = max(counts["most_alive"], counts["alive"])
+            return taken()
+
+        def counted_release(buf):
+            with lock:
+                counts["alive"] -= 1
+            given(buf)
+
+        monkeypatch.setattr(pool, "acquire", counted_acquire)
+        monkeypatch.setattr(pool, "release", counted_release)
+        slots, sources = host.acquire_with_sources(hashes)
+        assert sources.remote == len(hashes)
+        assert_exact(hashes, [host.slot_array(s) for s in slots])
+        host.release(slots)
+        disk.flush(WAIT_S)
+        assert counts["by_caller"] == 0, f"{counts['by_caller']} buffers taken by promotions"
+        assert counts["most_alive"] <= 8, counts  # the disk writer's bounces, if any
+        wait_until(lambda: host.writing_behind == 0, "the promoted blocks' disk writes")
+        assert disk.holding(hashes) == set(hashes)
+        evicting = [block_hash("evicting", i) for i in range(64)]
+        assert min(host.reserve(evicting)) >= 0  # every promoted slot was unpinned again
+    finally:
+        disk.close()

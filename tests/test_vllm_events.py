@@ -24,6 +24,8 @@ from test_vllm_scheduler import flood
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 
+import kvtier.connector.vllm.scheduler as scheduler_module
+
 from daemonutil import Daemon, free_port
 from eventutil import Router, events_config, router_hashes
 
@@ -190,3 +192,32 @@ def test_only_blocks_this_engine_can_load_are_announced(make_engine) -> None:
     assert announced(mine.router) == want
     other.until(lambda r: ours(r, MEDIUM_CPU, set(router_hashes(theirs, 3, BLOCK))), "its blocks")
     assert not announced(other.router) & want
+
+
+def test_an_engine_with_events_off_computes_no_block_identities(
+    make_engine, daemon, model_dir, monkeypatch
+) -> None:
+    """The identities only routers read cost the engine's thread per stored block: an engine
+    that publishes no events computes none (and one that does still stores them)."""
+    computed = []
+    identities = scheduler_module.identities
+
+    def counted(*args):
+        metas = identities(*args)
+        computed.extend(metas)
+        return metas
+
+    monkeypatch.setattr(scheduler_module, "identities", counted)
+    quiet = Engine(daemon, model_dir, num_blocks=128)
+    try:
+        quiet.add([*prompt(5, 4 * BLOCK), 1], "quiet")
+        quiet.run()
+        assert quiet.stats["stored_blocks"] == 4
+        assert not computed
+    finally:
+        quiet.close()
+    loud = make_engine(num_blocks=128)
+    loud.add([*prompt(6, 4 * BLOCK), 1], "loud")
+    loud.run()
+    assert loud.stats["stored_blocks"] == 4
+    assert len(computed) == 4 and all(computed)

@@ -21,7 +21,7 @@ import test_vllm_connector as harness
 from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
 from kvtier.connector.vllm.loads import STARVED_S, StreamedLoad
-from kvtier.connector.vllm.metadata import LoadSpec
+from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec
 from kvtier.tiers.gpu.transfer import Transfer
 
 from daemonutil import Daemon, wait_until
@@ -177,3 +177,58 @@ def test_a_release_goes_out_while_a_commit_is_held_up(make_engine, daemon, monke
         go_on.set()
     second.run()
     assert_scheduler_empty(second.scheduler)
+
+
+def test_advancing_many_waiting_loads_visits_each_a_bounded_number_of_times(
+    model_dir, monkeypatch
+) -> None:
+    """Each step advances every waiting load; how many acquires are on their way must be
+    kept as it goes, not summed over every load again for each one (quadratic)."""
+    waiting = 256
+    roomy = Daemon(host_bytes=4 * waiting * BLOCK_BYTES, disk_bytes=0).start()
+    try:
+        engine = harness.Engine(roomy, model_dir, num_blocks=64)
+        try:
+            _many_waiting_loads(engine, waiting, monkeypatch)
+        finally:
+            engine.close()
+    finally:
+        roomy.cleanup()
+
+
+def _many_waiting_loads(engine, waiting: int, monkeypatch) -> None:
+    side = engine.worker.worker
+    client = side._client(side.groups[0])
+    go_on = threading.Event()
+    acquire = client.acquire
+
+    def held_acquire(hashes):
+        go_on.wait(120)
+        return acquire(hashes)
+
+    monkeypatch.setattr(client, "acquire", held_acquire)
+    engine_thread = threading.get_ident()
+    looked = [0]
+    done = Future.done
+
+    def counted_done(future):
+        if threading.get_ident() == engine_thread:
+            looked[0] += 1
+        return done(future)
+
+    specs = [
+        LoadSpec(f"r{i}", [i % 64], (bytes([i % 256, i // 256]) * 8,), sync=False)
+        for i in range(waiting)
+    ]
+    try:
+        monkeypatch.setattr(Future, "done", counted_done)
+        side.start_load_kv(KVTierMetadata(loads=specs))
+        side.get_finished(set())
+        monkeypatch.setattr(Future, "done", done)
+        assert looked[0] <= 8 * waiting, f"{looked[0]} looks at {waiting} waiting loads"
+    finally:
+        monkeypatch.setattr(Future, "done", done)
+        go_on.set()
+    side.wait_for_loads(timeout=120)
+    side.get_finished(set())
+    assert side.take_load_errors() == {i % 64 for i in range(waiting)}

@@ -68,6 +68,9 @@ class DiskTierLike(Protocol):
 
     def contains(self, block_hash: BlockHash) -> bool: ...
 
+    def holding(self, hashes: Sequence[BlockHash]) -> set[BlockHash]:
+        """Which of ``hashes`` the tier holds, asked in one go."""
+
     def lookup_prefix(self, hashes: Sequence[BlockHash]) -> int: ...
 
     def get_into(self, block_hash: BlockHash, out: Any) -> bool: ...

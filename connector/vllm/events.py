@@ -4,9 +4,11 @@ Routers (llm-d, Dynamo, Mooncake's conductor) follow vLLM's ``BlockStored``/``Bl
 events and weigh a block by its ``medium``. The scheduler side publishes what the daemon's
 tiers hold, through vLLM's publisher (``take_events``), so ``--kv-events-config`` turns it on:
 
-* Every block kvtier stores carries its vLLM identity (``BlockIdentity``: vLLM's own block
-  hashes and parent, token ids, LoRA, extra keys, KV cache group) as the block's meta, which
-  the daemon keeps in every tier and echoes in its block events.
+* Every block an engine with events on stores carries its vLLM identity (``BlockIdentity``:
+  vLLM's own block hashes and parent, token ids, LoRA, extra keys, KV cache group) as the
+  block's meta, which the daemon keeps in every tier and echoes in its block events. An
+  engine with events off stores none (computing it costs its thread per block), so its
+  blocks are announced by no engine.
 * ``TierEvents`` follows the daemon's events for the engine's layouts (``WatchEvents``, first
   replaying what the tiers hold) and turns each into vLLM's event: ``medium`` ``CPU`` for the
   host tier, ``STORAGE`` for the disk tier. The daemon serves every engine of the node, so an

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ Copy = Callable[[list[int], list[int]], Transfer]
 """Starts the copy of these slots into these vLLM block ids; its callback releases them."""
 Fail = Callable[[LoadSpec, list[int]], None]
 """Reports these block ids of the load as not loadable."""
+Step = Callable[["StreamedLoad", int], None]
+"""Advances one load, given the slots its session's acquires on their way will take."""
 
 STARVED_S = 30.0
 """A load that finds no room for this long fails its remaining blocks (vLLM recomputes them)
@@ -111,3 +114,41 @@ class StreamedLoad:
         if self.acquiring is not None:
             release(self.acquiring.result())
             self.acquiring = None
+
+
+class InFlight:
+    """The slots each session's acquires still on their way will take, kept up to date as
+    the loads advance one after another.
+
+    Without it two loads advanced in one step would both ask for the same room, and the later
+    be answered short (its blocks recomputed). Summed once per step and then adjusted per
+    load, so a step looks at each load a bounded number of times however many wait (summing
+    again for every load costs the square of their number, every step). An acquire answered
+    after it was counted stays counted until its load is advanced: such a load asks less
+    this step, never too much.
+    """
+
+    def __init__(self, loads: Iterable[StreamedLoad], session: Callable[[StreamedLoad], Hashable]):
+        self._session = session
+        self._slots: Counter[Hashable] = Counter()
+        self._counted: dict[int, tuple[Future[list[int]], int]] = {}
+        for load in loads:
+            acquiring = load.acquiring
+            if acquiring is not None and not acquiring.done():
+                self._slots[session(load)] += load.asked
+                self._counted[id(load)] = (acquiring, load.asked)
+
+    def advance(self, load: StreamedLoad, step: Step) -> None:
+        """Advances ``load`` through ``step`` and counts what it asked for or got."""
+        session = self._session(load)
+        counted = self._counted.pop(id(load), None)
+        step(load, self._slots[session])
+        acquiring = load.acquiring
+        if counted is not None:
+            if acquiring is counted[0]:
+                self._counted[id(load)] = counted
+                return
+            self._slots[session] -= counted[1]
+        if acquiring is not None and not acquiring.done():
+            self._slots[session] += load.asked
+            self._counted[id(load)] = (acquiring, load.asked)

@@ -60,7 +60,8 @@ class SchedulerSide:
         publish_events: bool = False,
     ):
         """``publish_events``: follow the daemon's tiers for vLLM's KV event stream
-        (``take_events``); the identities routers need are stored with blocks either way."""
+        (``take_events``) and store with each block the identity routers need (which costs
+        the engine's thread a little per block, so it is left out with events off)."""
         self.config = config
         self.groups = groups
         self.align = alignment_tokens(groups)
@@ -254,7 +255,9 @@ class SchedulerSide:
                         self._hash_tokens,
                         start,
                         stop,
-                    ),
+                    )
+                    if self._events is not None
+                    else (),
                 )
             )
         if specs:

@@ -51,7 +51,7 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.groups import KVGroup
 from kvtier.connector.vllm.layout import kv_placement
-from kvtier.connector.vllm.loads import StreamedLoad
+from kvtier.connector.vllm.loads import InFlight, StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
 from kvtier.connector.vllm.stores import PendingStore, StoreQueue
@@ -203,6 +203,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         self._start_stores()
+        started = []
         for spec in meta.loads:
             group = self.groups[spec.group]
             if spec.sync:
@@ -210,7 +211,9 @@ class WorkerSide:
             else:
                 load = StreamedLoad(spec, unpack(spec.hashes[group.shard(self.rank)]))
                 self._async_loads.setdefault(spec.req_id, []).append(load)
-                self._advance(load)
+                started.append(load)
+        if started:
+            self._advance_loads(started)
 
     def wait_for_save(self, meta: KVTierMetadata) -> None:
         """Queues this step's stores; their copies start with the next step."""
@@ -277,24 +280,19 @@ class WorkerSide:
             transfer = self._copy_slots(group, spec, slots, spec.block_ids[: len(slots)])
             transfer.order_before()  # this step's attention reads the blocks
 
-    def _advance_loads(self) -> None:
-        for load in self._loads():
-            self._advance(load)
+    def _advance_loads(self, loads: list[StreamedLoad] | None = None) -> None:
+        """Advances ``loads`` (every async load by default) once each."""
+        everyone = self._loads()
+        in_flight = InFlight(everyone, lambda load: self._client(self.groups[load.spec.group]))
+        for load in everyone if loads is None else loads:
+            in_flight.advance(load, self._advance)
 
-    def _advance(self, load: StreamedLoad) -> None:
+    def _advance(self, load: StreamedLoad, asking: int) -> None:
+        """``asking``: the slots the session's acquires on their way will take. Counted
+        before the room is read, so that an acquire answered in between is counted twice
+        (asks less) rather than not at all."""
         group = self.groups[load.spec.group]
         client = self._client(group)
-        # The room the acquires still on their way will take: else two loads advanced in
-        # one step would both ask for the same room, and the later be answered short (its
-        # blocks recomputed). Summed before the room is read, so that an acquire answered
-        # in between is counted twice (asks less) rather than not at all.
-        asking = sum(
-            other.asked
-            for other in self._loads()
-            if other.acquiring is not None
-            and not other.acquiring.done()
-            and self._client(self.groups[other.spec.group]) is client
-        )
         load.advance(
             lambda hashes: self._acquirer.submit(client.acquire, hashes),
             lambda slots, block_ids: self._copy_slots(group, load.spec, slots, block_ids),

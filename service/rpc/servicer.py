@@ -4,9 +4,16 @@ Refusals become status codes: a malformed argument ``INVALID_ARGUMENT``, too man
 slots ``OUT_OF_RANGE``, an unknown session ``NOT_FOUND``, a slot or session the caller does not
 hold ``PERMISSION_DENIED``, a layout the daemon cannot take ``FAILED_PRECONDITION``, a full
 daemon (sessions, watchers, shared memory, a too-large request) ``RESOURCE_EXHAUSTED``, a call
-that arrived after its own ``Cancel`` ``CANCELLED``. Work that may touch the disk or the
-network, or that scales with a large batch, runs on a pool of worker threads, so one client's
-heavy calls never hold up another's small ones on the event loop.
+that arrived after its own ``Cancel`` ``CANCELLED``.
+
+The event loop runs only what the host tier's memory answers: a small lookup whose every hash
+is in the host tier, and small stores of a layout with no tier below. Anything that may read
+the disk or wait on the network (a lookup that must ask the disk or the remote store, a
+reserve that asks the disk index, a commit that queues writes below, an acquire that may
+promote), and any large batch, runs on worker threads, so a slow disk or remote store never
+holds up another client's calls or keep-alives. Lookups that ask the tiers below have threads
+of their own: a remote store that answers slowly holds them for up to its lookup timeout, and
+must not hold up the slot operations behind them.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ GET_CHUNK = 8
 """Blocks a ``Get`` holds at once: bounds the daemon's memory per stream."""
 WATCH_BATCH = 1024
 INLINE_BATCH = 256
-"""Batches up to this many hashes or slots are served on the event loop; larger go to a thread."""
+"""Batches up to this many hashes or slots may be served on the event loop; larger go to a
+thread."""
 WORKERS = 8
+LOOKUP_WORKERS = 8
 
 _TIER_FIELDS = frozenset(pb.TierStats.DESCRIPTOR.fields_by_name) - {"other"}
 
@@ -70,10 +79,12 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self.stopping = stopping
         self.max = daemon.config.max_hashes
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
+        self._lookups = ThreadPoolExecutor(LOOKUP_WORKERS, thread_name_prefix="kvtier-lookup")
         self._limiter = RateLimitedLog(log, interval_s=10.0)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._lookups.shutdown(wait=True)
 
     def refused(self, context: grpc.aio.ServicerContext, exc: BaseException, message: str) -> None:
         """Logs a malformed or oversized request once per peer and kind (others are normal)."""
@@ -88,10 +99,15 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         large batch is unpacked on a worker thread and not on the event loop."""
         return split_hashes(request.hashes, self.max)
 
-    async def _run(self, fn: Callable[[], object], heavy: bool = True) -> object:
+    async def _run(
+        self,
+        fn: Callable[[], object],
+        heavy: bool = True,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> object:
         if not heavy:
             return fn()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        return await asyncio.get_running_loop().run_in_executor(pool or self._pool, fn)
 
     # ---- sessions ----
 
@@ -164,15 +180,22 @@ class KvTierServicer(pb_grpc.KvTierServicer):
     @unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         peer = session_peer(context)
-        hits = await self._run(
-            lambda: self.daemon.lookup(request.session_id, self._hashes(request), peer),
-            heavy=_heavy(request.hashes),
-        )
+        hits = None
+        if not _heavy(request.hashes):
+            hits = self.daemon.lookup(
+                request.session_id, self._hashes(request), peer, memory_only=True
+            )
+        if hits is None:
+            hits = await self._run(
+                lambda: self.daemon.lookup(request.session_id, self._hashes(request), peer),
+                pool=self._lookups,
+            )
         return pb.LookupResponse(host=hits.host, disk=hits.disk, remote=hits.remote)
 
     @unary
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
         peer = session_peer(context)
+        below = self.daemon.below_host(request.session_id, peer)
         slots = await self._run(
             lambda: self.daemon.reserve(
                 request.session_id,
@@ -181,16 +204,17 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 request.call_id,
                 peer,
             ),
-            heavy=_heavy(request.hashes),
+            heavy=below or _heavy(request.hashes),
         )
         return pb.ReserveResponse(slots=slots)
 
     @unary
     async def Commit(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
         slots = self._slots(request)
+        peer = session_peer(context)
         await self._run(
-            functools.partial(self.daemon.commit, request.session_id, slots, session_peer(context)),
-            heavy=len(slots) > INLINE_BATCH,
+            functools.partial(self.daemon.commit, request.session_id, slots, peer),
+            heavy=len(slots) > INLINE_BATCH or self.daemon.below_host(request.session_id, peer),
         )
         return pb.SlotsResponse(count=len(slots))
 

@@ -111,6 +111,20 @@ class DiskTier:
         """Whether the block is committed or waiting in the writer's queue."""
         return self.lookup_prefix((block_hash,)) == 1
 
+    def holding(self, hashes: Sequence[bytes]) -> set[bytes]:
+        """Which of ``hashes`` this tier holds (committed or queued), read in one short
+        transaction however many are asked."""
+        for h in hashes:
+            check_hash(h)
+        # Pending first, LMDB second, as in ``lookup_prefix``.
+        with self._lock:
+            held = {h for h in hashes if h in self._s.pending}
+        rest = [h for h in hashes if h not in held]
+        if rest:
+            with self._s.index.read() as txn:
+                held.update(h for h in rest if self._s.index.has(txn, h))
+        return held
+
     def lookup_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading ``hashes`` this tier holds, read in one short transaction."""
         for h in hashes:

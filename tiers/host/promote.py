@@ -37,6 +37,8 @@ class SlotOps:
     drop: Callable[[int], BlockHash]
     emit: Callable[[str, BlockHash, bytes], None]
     """Announces "stored" or "removed" for a hash and its meta."""
+    pin_for_write: Callable[[int], Callable[[bool], None]]
+    """Pins a slot for one write behind; returns what the write calls when it is done."""
 
 
 class Promoter:
@@ -162,12 +164,23 @@ class Promoter:
                 self._ops.drop(slot)
             self._changed.notify_all()
         sources.remote += len(got)
-        if self.lower is not None:  # a remote hit lands in the disk tier too
-            for slot in got:
-                self.lower.put(
-                    self._slots.hash_of(slot), self._slab_np[slot], self._slots.meta.get(slot, b"")
-                )
+        if self.lower is not None:
+            self._write_down(got)
         return got
+
+    def _write_down(self, slots: list[int]) -> None:
+        """A remote hit lands in the disk tier too, written from its slot (pinned until the
+        write is done), as a commit's is: no copy of its own per block, so however many
+        blocks a promotion brings, the memory they take is the host slots they are in."""
+        blocks = []
+        with self._lock:
+            for slot in slots:
+                done = self._ops.pin_for_write(slot)
+                blocks.append(
+                    (slot, self._slots.hash_of(slot), self._slots.meta.get(slot, b""), done)
+                )
+        for slot, block_hash, meta, done in blocks:
+            self.lower.write_behind(block_hash, self._slab_np[slot], meta, done)
 
     def _ready_promoted(self, slot: int) -> None:
         """A promoted slot becomes readable, pinned once for the caller; call under the lock."""

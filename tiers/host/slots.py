@@ -43,6 +43,10 @@ class SlotTable:
     def used(self) -> int:
         return self.num_slots - self._num_free
 
+    @property
+    def free(self) -> int:
+        return self._num_free
+
     def hash_of(self, slot: int) -> BlockHash:
         return self._hashes[slot].tobytes()
 

@@ -98,6 +98,7 @@ class HostTier:
                 self._claim,
                 self._drop,
                 self._emit,
+                self._pin_for_write,
             ),
             lower,
             remote,
@@ -139,6 +140,27 @@ class HostTier:
         section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
         return self._lookup(hashes, hold=True)
 
+    def lookup_in_memory(
+        self, hashes: Sequence[BlockHash], hold: bool
+    ) -> tuple[LowerHits, list[tuple[BlockHash, int]]] | None:
+        """``lookup`` (``hold`` False) or ``lookup_holding`` (True) when this tier's memory
+        alone answers it: every hash is here, or no tier lies below. Otherwise None, having
+        changed nothing: a tier below must be asked, which may read the disk or the network."""
+        for h in hashes:
+            check_hash(h)
+        below = self.lower is not None or self.remote is not None
+        resident: list[tuple[BlockHash, int]] = []
+        with self._lock:
+            for h in hashes:
+                slot = self._slots.ready_slot(h)
+                if slot is None:
+                    if below:
+                        return None
+                    break
+                resident.append((h, slot))
+            self._mark_read(resident, hold)
+        return LowerHits(host=len(resident)), resident if hold else []
+
     def _lookup(
         self, hashes: Sequence[BlockHash], hold: bool
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
@@ -165,19 +187,24 @@ class HostTier:
                     else:
                         hits.disk += 1
                 pos += run
-            for _, slot in reversed(resident):
-                if hold:
-                    table.pin(slot)
-                else:
-                    table.touch(slot)
+            self._mark_read(resident, hold)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
         return hits, resident if hold else []
 
+    def _mark_read(self, resident: list[tuple[BlockHash, int]], hold: bool) -> None:
+        """Pins (``hold``) or touches a lookup's host hits, the prefix's head last; call
+        under the lock."""
+        for _, slot in reversed(resident):
+            if hold:
+                self._slots.pin(slot)
+            else:
+                self._slots.touch(slot)
+
     @property
     def writing_behind(self) -> int:
-        """Committed blocks whose write to a tier below has not finished."""
+        """Blocks (committed or promoted) whose write to a tier below has not finished."""
         with self._lock:
             return len(self._behind_left)
 
@@ -212,8 +239,16 @@ class HostTier:
                 raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
         result: list[int] = []
         with self._lock:
+            index = self._slots.index
+            # The tier below is asked once for the whole batch (one read of its index),
+            # and so are the slots evicted to make room.
+            fresh = {h for h in hashes if h not in index}
+            below = self.lower.holding(list(fresh)) if self.lower is not None and fresh else set()
+            evicted = self._make_room(len(fresh - below))
+            if self.lower is not None:
+                below |= evicted  # the tier below has each block evicted (spilled if need be)
             for i, h in enumerate(hashes):
-                if h in self._slots.index or (self.lower is not None and self.lower.contains(h)):
+                if h in index or h in below:
                     self.counters.blocks_deduplicated += 1
                     result.append(ALREADY_STORED)
                     continue
@@ -331,14 +366,21 @@ class HostTier:
         spilled = 0
         with self._lock:
             table = self._slots
+            below = self.lower.holding(list(table.index))
             for block_hash, slot in list(table.index.items()):
-                if table.state[slot] == READY and not self.lower.contains(block_hash):
+                if table.state[slot] == READY and block_hash not in below:
                     self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
                     spilled += 1
             self.counters.blocks_spilled += spilled
         return spilled
 
     # ---- internals ----
+
+    def _pin_for_write(self, slot: int) -> Callable[[bool], None]:
+        """Pins ``slot`` for one more write behind; call under the lock."""
+        self._slots.pin(slot)
+        self._behind_left[slot] = self._behind_left.get(slot, 0) + 1
+        return partial(self._written, slot)
 
     def _written(self, slot: int, ok: bool) -> None:
         """One write behind of the slot finished; the tier below counts a failure (``ok``
@@ -363,23 +405,32 @@ class HostTier:
         return block_hash
 
     def _take_slot(self) -> int | None:
-        """A free slot, evicting the LRU committed slot if need be (spilling it into the
-        disk tier when that tier lacks it)."""
-        slot = self._slots.pop_free()
-        if slot is not None:
-            return slot
-        slot = self._slots.lru_pop()
-        if slot is None:
-            return None
-        table = self._slots
-        victim, meta = table.hash_of(slot), table.meta.get(slot, b"")
-        if self.lower is not None and not self.lower.contains(victim):
-            self.lower.put(victim, self._slab_np[slot], meta)
-            self.counters.blocks_spilled += 1
-        self.counters.blocks_evicted += 1
-        self._drop(slot)
-        self._emit("removed", victim, meta)
+        """A free slot, evicting the LRU committed slot if need be."""
+        self._make_room(1)
         return self._slots.pop_free()
+
+    def _make_room(self, wanted: int) -> set[BlockHash]:
+        """Evicts LRU committed slots until ``wanted`` slots are free (or none is left to
+        evict), spilling into the disk tier those it lacks (asked once for them all);
+        returns the hashes evicted."""
+        table = self._slots
+        victims = []
+        while table.free + len(victims) < wanted:
+            slot = table.lru_pop()
+            if slot is None:
+                break
+            victims.append((slot, table.hash_of(slot), table.meta.get(slot, b"")))
+        if not victims:
+            return set()
+        below = self.lower.holding([v for _, v, _ in victims]) if self.lower is not None else set()
+        for slot, victim, meta in victims:
+            if self.lower is not None and victim not in below:
+                self.lower.put(victim, self._slab_np[slot], meta)
+                self.counters.blocks_spilled += 1
+            self.counters.blocks_evicted += 1
+            self._drop(slot)
+            self._emit("removed", victim, meta)
+        return {victim for _, victim, _ in victims}
 
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
