@@ -85,3 +85,14 @@ def test_command_help_lists_the_policies_and_the_default(capsys):
     assert "{" + ",".join(POLICIES) + "}" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parser.parse_args(["--workload", "chat", "--admission", "lru"])
+
+
+def test_fed_as_the_daemon_all_writes_every_block_and_hit_to_disk_only_those_hit():
+    # GPU holds one request: the third finds the first's blocks in the host tier.
+    reqs = [request(0, [0, 1, 2]), request(1, [5, 6, 7]), request(2, [0, 1, 2])]
+    cap = Capacity(4, host_bytes=8 * BLOCK_BYTES, disk_bytes=100 * BLOCK_BYTES)
+    every = replay(reqs, hashed(reqs), cap, admission="all", as_daemon=True)
+    hit = replay(reqs, hashed(reqs), cap, admission="hit-to-disk", as_daemon=True)
+    assert every.host_hit_tokens == hit.host_hit_tokens == 3 * BS
+    assert every.disk_bytes_written == 6 * BLOCK_BYTES  # every computed block, at once
+    assert hit.disk_bytes_written == 3 * BLOCK_BYTES  # the first request's, once hit

@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"disk (default {DEFAULT_POLICY})",
     )
     parser.add_argument(
+        "--as-daemon",
+        action="store_true",
+        help="feed the node as the vLLM connector feeds the daemon: each computed block goes "
+        "to the host tier at once and is written behind to disk (default: as an engine's own "
+        "stack, a block goes down when evicted; --nodes always feeds nodes as daemons)",
+    )
+    parser.add_argument(
         "--ms-per-output-token",
         type=float,
         default=20.0,
@@ -154,11 +161,13 @@ def summarize(
     gpu_only: RunResult,
     oracle: int,
     admission: str,
+    as_daemon: bool,
 ) -> dict[str, object]:
     block_bytes = REPLAY_LAYOUT.block_bytes
     return {
         "source": work.name,
         "admission": admission,
+        "as_daemon": as_daemon,
         "requests": len(work.requests),
         "prompt_tokens": tiered.prompt_tokens,
         "distinct_blocks": work.distinct_blocks,
@@ -220,7 +229,8 @@ def print_text(summary: dict[str, object]) -> None:
         f"spilled blocks: GPU->host {s['blocks_spilled_to_host']}, host->disk "
         f"{s['blocks_spilled_to_disk']}; corrupt loads {s['corrupt_blocks']}; "
         f"skipped requests {s['skipped_requests']}",
-        f"admission {s['admission']}: {s['blocks_not_admitted']} blocks turned away from host, "
+        f"admission {s['admission']}{' (fed as the daemon)' if s['as_daemon'] else ''}: "
+        f"{s['blocks_not_admitted']} blocks turned away from host, "
         f"{s['blocks_kept_off_disk']} kept off disk; disk bytes written "
         f"{s['disk_bytes_written']} ({_fmt(s['bytes_written_per_saved_token'])} per saved "
         "token)",
@@ -262,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
             ms_per_output_token=ms,
             label="tiered",
             admission=policy,
+            as_daemon=args.as_daemon,
         )
         gpu_only = replay(
             work.requests,
@@ -282,11 +293,12 @@ def run(args: argparse.Namespace) -> int:
         )
         tiered, gpu_only = fleet.shared, fleet.gpu_only
     oracle = oracle_saved_tokens(work.requests, work.hashes)
-    summary = summarize(work, capacity, sized, tiered, gpu_only, oracle, policy)
+    as_daemon = args.as_daemon or args.nodes is not None
+    summary = summarize(work, capacity, sized, tiered, gpu_only, oracle, policy, as_daemon)
     if fleet is not None:
         summary |= fleet_summary(fleet)
     if args.plot:
-        points = sweep(work, capacity, tiered, gpu_only, ms, policy)
+        points = sweep(work, capacity, tiered, gpu_only, ms, policy, as_daemon)
         plot_sweep(
             args.plot, work.name, points, gpu_only.saved_tokens, oracle, work.distinct_blocks
         )

@@ -176,14 +176,17 @@ def replay(
     ms_per_output_token: float = 20.0,
     label: str = "replay",
     admission: str = DEFAULT_POLICY,
+    as_daemon: bool = False,
 ) -> RunResult:
     """Runs every request through a fresh stack of ``capacity`` (its host tier under the
-    ``admission`` policy) and returns its counts."""
+    ``admission`` policy) and returns its counts. ``as_daemon`` feeds the node as the vLLM
+    connector feeds the daemon (``Node``'s ``store_on_compute``, the host tier writing
+    behind) instead of as an engine's own stack."""
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
         disk_dir = tmp if capacity.disk_bytes > 0 else None
-        stack = build_replay_stack(capacity, disk_dir, admission=admission)
+        stack = build_replay_stack(capacity, disk_dir, write_behind=as_daemon, admission=admission)
         try:
-            node = Node(stack)
+            node = Node(stack, store_on_compute=as_daemon)
             run_nodes([node], requests, hashes, [0] * len(requests), ms_per_output_token, label)
             return node.result
         finally:

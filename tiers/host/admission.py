@@ -177,31 +177,10 @@ class HitToDisk(AdmissionPolicy):
         self._hit.discard(block_hash)
 
 
-class ReuseToDisk(HitToDisk):
-    """Every block enters; a block goes to disk once the node has seen it reused: hit while in
-    the host tier, or offered again after it left the host tier unwritten (its hash is then
-    in the ghost list)."""
-
-    name = "reuse-to-disk"
-
-    def __init__(self, ghost_capacity: int = MIN_GHOST):
-        super().__init__()
-        self.ghost = GhostList(ghost_capacity)
-
-    def writes_down(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._hit or block_hash in self.ghost
-
-    def dropped(self, block_hash: BlockHash) -> None:
-        if block_hash not in self._hit:
-            self.ghost.remember(block_hash)
-        super().dropped(block_hash)
-
-
 _BUILDERS: dict[str, Callable[[int], AdmissionPolicy]] = {
     AdmitAll.name: lambda host_slots: AdmitAll(),
     SecondHit.name: lambda host_slots: SecondHit(max(MIN_GHOST, GHOST_PER_SLOT * host_slots)),
     HitToDisk.name: lambda host_slots: HitToDisk(),
-    ReuseToDisk.name: lambda host_slots: ReuseToDisk(max(MIN_GHOST, GHOST_PER_SLOT * host_slots)),
 }
 POLICIES: tuple[str, ...] = tuple(_BUILDERS)
 DEFAULT_POLICY = AdmitAll.name
