@@ -38,7 +38,7 @@ GHOST_PER_SLOT = 4
 """Hashes a ghost list remembers per host slot: a block's second sighting may come long after
 it left the host tier (the disk tier holds many times more)."""
 MIN_GHOST = 1 << 16
-"""Fewest hashes a ghost list remembers (about 10 MiB at most), however small the host tier."""
+"""Fewest hashes a ghost list remembers (about 9 MiB of them), however small the host tier."""
 _MAX_SIGHTINGS = 255
 
 
@@ -66,9 +66,6 @@ class GhostList:
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._entries
-
-    def sightings(self, block_hash: BlockHash) -> int:
-        return self._entries.get(block_hash, 0) >> 1
 
     def looked_up(self, block_hash: BlockHash) -> int:
         """A lookup missed the hash; returns its sightings. A miss asked again before the
