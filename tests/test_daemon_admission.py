@@ -28,6 +28,7 @@ def daemons():
 
     yield start
     for d in made:
+        d.stop()  # a daemon that stops unlinks its arenas; a killed one would leave them
         d.cleanup()
 
 
