@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Annotated
 
 from kvtier.proto import contract
+from kvtier.tiers.host.admission import DEFAULT_POLICY, POLICIES
 from kvtier.tiers.remote.config import PASSWORD_ENV, RemoteConfig
 from kvtier.tiers.remote.tier import RemoteSettings
 
@@ -102,6 +103,9 @@ class DaemonConfig:
     """Most of a layout's slots one session may hold reserved, and as many acquired."""
     lookup_hold_s: float = 5.0
     """How long a lookup's host hits stay pinned for the acquire that follows (0: not)."""
+    admission: str = DEFAULT_POLICY
+    """Which offered blocks enter the host tier and which go to disk, one of ``POLICIES``
+    (``kvtier.tiers.host.admission``)."""
     remote: str | None = None
     """The store shared by many nodes below the disk tier (off by default): ``redis://HOST:PORT``,
     ``rediss://…``, a cluster seed list ``HOST:PORT,HOST:PORT`` or ``mooncake://MASTER``
@@ -136,6 +140,10 @@ class DaemonConfig:
                 raise ConfigError(name, f"{name} must be at least 1, got {getattr(self, name)}")
         if self.lookup_hold_s < 0:
             raise ConfigError("lookup_hold_s", "lookup_hold_s must be >= 0")
+        if self.admission not in POLICIES:
+            raise ConfigError(
+                "admission", f"admission {self.admission!r}: use one of {', '.join(POLICIES)}"
+            )
         if not 0 < self.session_slot_share <= 1:
             raise ConfigError("session_slot_share", "session_slot_share must be in (0, 1]")
         if self.stats_port is not None and not -1 <= self.stats_port <= 65535:
@@ -331,6 +339,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lookup-hold-s",
         help="how long a lookup's host hits stay pinned for the acquire that follows "
         f"(default {d.lookup_hold_s}; 0: not at all)",
+    )
+    add(
+        "--admission",
+        choices=POLICIES,
+        help="which blocks enter the host tier and which are written to disk: all, "
+        "second-hit (on a block's second sighting), hit-to-disk (to disk only once hit in "
+        f"the host tier) (default {d.admission})",
     )
     add(
         "--session-slot-share",

@@ -24,8 +24,9 @@ from kvtier.service.events import EventHub
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.hashing import HASH_VERSION
+from kvtier.tiers.host.admission import DEFAULT_POLICY, admission_policy
 from kvtier.tiers.host.tier import HostTier
-from kvtier.tiers.lower import LowerHits
+from kvtier.tiers.lower import NO_SPACE, NOT_ADMITTED, LowerHits
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.tiers.remote.tier import RemoteTier
 
@@ -49,6 +50,7 @@ class LayoutStore:
         disk_sync: bool = True,
         flush_interval_s: float = 1.0,
         remote: RemoteConfig | None = None,
+        admission: str = DEFAULT_POLICY,
     ):
         self.signature = signature
         self.block_bytes = block_bytes
@@ -78,6 +80,7 @@ class LayoutStore:
             write_behind=True,
             counters=self.counters[HOST],
             on_event=self._host_event,
+            admission=admission_policy(admission, arena.size // block_bytes),
         )
 
     @property
@@ -122,7 +125,10 @@ class LayoutStore:
             asked -= hit
 
     def reserve(self, hashes: Sequence[bytes], metas: Sequence[bytes]) -> list[int]:
-        return self.host.reserve(hashes, metas)
+        """Slots, ``ALREADY_STORED`` or ``NO_SPACE`` (also for a block the admission policy
+        turned away: the wire has no word for that, and to a client it is the same)."""
+        slots = self.host.reserve(hashes, metas)
+        return [NO_SPACE if slot == NOT_ADMITTED else slot for slot in slots]
 
     def commit(self, slots: Sequence[int]) -> None:
         self.host.commit(slots)
@@ -139,7 +145,7 @@ class LayoutStore:
 
     def put_block(self, block_hash: bytes, meta: bytes, data: bytes) -> int:
         """Stores one block sent as bytes; returns 1, or the ``reserve`` code it got."""
-        (slot,) = self.host.reserve([block_hash], [meta] if meta else ())
+        (slot,) = self.reserve([block_hash], [meta] if meta else ())
         if slot < 0:
             return slot
         try:

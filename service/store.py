@@ -119,6 +119,7 @@ class BlockStore:
                 disk_sync=config.disk_sync,
                 flush_interval_s=config.flush_interval_s,
                 remote=config.remote_config(),
+                admission=config.admission,
             )
         except BaseException:
             arena.close()

@@ -23,6 +23,11 @@ class TierCounters:
     blocks_promoted: int = 0
     blocks_deduplicated: int = 0
     blocks_dropped: int = 0
+    blocks_not_admitted: int = 0
+    """Offers the admission policy turned away (host)."""
+    blocks_kept_off_disk: int = 0
+    """Blocks that left the host tier unwritten because the admission policy kept them off the
+    disk (host)."""
     bytes_in: int = 0
     bytes_out: int = 0
     checksum_failures: int = 0

@@ -21,6 +21,10 @@ ALREADY_STORED = -1
 """``reserve`` result: this tier or one below holds the hash (or is writing it)."""
 NO_SPACE = -2
 """``reserve`` result: every slot is being read or written right now."""
+NOT_ADMITTED = -3
+"""``reserve`` result: the admission policy turned the block away (this copy of it need not
+be offered again; a later offer of the hash is a new sighting). Over the wire it is
+``NO_SPACE``."""
 MAX_META_BYTES = 4096
 """Most bytes of engine metadata one block may carry, in every tier."""
 

@@ -16,8 +16,7 @@ from kvtier.tiers.free_queue import FreeBlockQueue, KVBlock
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.host.tier import ALREADY_STORED
-from kvtier.tiers.lower import LowerTier
+from kvtier.tiers.lower import ALREADY_STORED, NOT_ADMITTED, LowerTier
 
 
 class BlockSpiller:
@@ -42,7 +41,7 @@ class BlockSpiller:
                 copied.append(block)
             elif slot == ALREADY_STORED:
                 self.counters.blocks_deduplicated += 1
-            else:
+            elif slot != NOT_ADMITTED:  # one turned away is not offered again: no new sighting
                 block.below = False  # every slot below is busy: the content is dropped
                 self.counters.blocks_dropped += 1
         if not copied:

@@ -10,6 +10,7 @@ import torch
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.placement import KVPlacement
+from kvtier.tiers.host.admission import DEFAULT_POLICY, admission_policy
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.lower import LowerTier
@@ -82,12 +83,15 @@ def build_local_stack(
     disk_bytes: int = 0,
     device: torch.device | str = "cpu",
     spill_ahead: int = 4,
+    admission: str = DEFAULT_POLICY,
 ) -> TierStack:
-    """GPU pool → pinned host tier → LMDB disk tier (when ``disk_path``), all in this process."""
+    """GPU pool → pinned host tier → LMDB disk tier (when ``disk_path``), all in this process;
+    ``admission`` names the host tier's admission policy."""
     disk = None
     if disk_path is not None:
         disk = DiskTier(disk_path, layout.signature, layout.block_bytes, disk_bytes)
-    host = HostTier(layout.block_bytes, host_bytes, lower=disk)
+    policy = admission_policy(admission, host_bytes // layout.block_bytes)
+    host = HostTier(layout.block_bytes, host_bytes, lower=disk, admission=policy)
     return build_stack(
         layout, num_gpu_blocks, lower=host, disk=disk, device=device, spill_ahead=spill_ahead
     )

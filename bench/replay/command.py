@@ -34,6 +34,7 @@ from kvtier.bench.replay.sim import (
 from kvtier.bench.replay.trace import TraceHasher, load_trace
 from kvtier.bench.replay.workloads import WORKLOADS
 from kvtier.tiers.hashing import Namespace
+from kvtier.tiers.host.admission import DEFAULT_POLICY, POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-blocks", type=int, help="GPU pool size (default: 10%% of blocks)")
     parser.add_argument("--host-bytes", type=parse_bytes, help="host tier (default: 30%%)")
     parser.add_argument("--disk-bytes", type=parse_bytes, help="disk tier (default: all blocks)")
+    parser.add_argument(
+        "--admission",
+        choices=POLICIES,
+        default=DEFAULT_POLICY,
+        help="the host tier's admission policy: which blocks enter it and which it writes to "
+        f"disk (default {DEFAULT_POLICY})",
+    )
+    parser.add_argument(
+        "--as-daemon",
+        action="store_true",
+        help="feed the node as the vLLM connector feeds the daemon: each computed block goes "
+        "to the host tier at once and is written behind to disk (default: as an engine's own "
+        "stack, a block goes down when evicted; --nodes always feeds nodes as daemons)",
+    )
     parser.add_argument(
         "--ms-per-output-token",
         type=float,
@@ -145,10 +160,14 @@ def summarize(
     tiered: RunResult,
     gpu_only: RunResult,
     oracle: int,
+    admission: str,
+    as_daemon: bool,
 ) -> dict[str, object]:
     block_bytes = REPLAY_LAYOUT.block_bytes
     return {
         "source": work.name,
+        "admission": admission,
+        "as_daemon": as_daemon,
         "requests": len(work.requests),
         "prompt_tokens": tiered.prompt_tokens,
         "distinct_blocks": work.distinct_blocks,
@@ -171,6 +190,10 @@ def summarize(
         "saved_vs_gpu_only": ratio(tiered.saved_tokens, gpu_only.saved_tokens),
         "blocks_spilled_to_host": tiered.blocks_spilled_to_host,
         "blocks_spilled_to_disk": tiered.blocks_spilled_to_disk,
+        "blocks_not_admitted": tiered.blocks_not_admitted,
+        "blocks_kept_off_disk": tiered.blocks_kept_off_disk,
+        "disk_bytes_written": tiered.disk_bytes_written,
+        "bytes_written_per_saved_token": tiered.bytes_written_per_saved_token,
         "corrupt_blocks": tiered.corrupt_blocks,
         "skipped_requests": tiered.skipped_requests,
         "max_running": tiered.max_running,
@@ -206,6 +229,11 @@ def print_text(summary: dict[str, object]) -> None:
         f"spilled blocks: GPU->host {s['blocks_spilled_to_host']}, host->disk "
         f"{s['blocks_spilled_to_disk']}; corrupt loads {s['corrupt_blocks']}; "
         f"skipped requests {s['skipped_requests']}",
+        f"admission {s['admission']}{' (fed as the daemon)' if s['as_daemon'] else ''}: "
+        f"{s['blocks_not_admitted']} blocks turned away from host, "
+        f"{s['blocks_kept_off_disk']} kept off disk; disk bytes written "
+        f"{s['disk_bytes_written']} ({_fmt(s['bytes_written_per_saved_token'])} per saved "
+        "token)",
         f"wall: tiered {s['tiered_wall_s']} s, GPU-only {s['gpu_only_wall_s']} s "
         f"({s['tier_overhead_ms_per_request']} ms/request for the tiers), hashing "
         f"{s['hash_wall_s']} s",
@@ -234,11 +262,17 @@ def run(args: argparse.Namespace) -> int:
             capacity.host_bytes,
             capacity.disk_bytes,
         )
-    ms = args.ms_per_output_token
+    ms, policy = args.ms_per_output_token, args.admission
     fleet = None
     if args.nodes is None:
         tiered = replay(
-            work.requests, work.hashes, capacity, ms_per_output_token=ms, label="tiered"
+            work.requests,
+            work.hashes,
+            capacity,
+            ms_per_output_token=ms,
+            label="tiered",
+            admission=policy,
+            as_daemon=args.as_daemon,
         )
         gpu_only = replay(
             work.requests,
@@ -249,15 +283,22 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         fleet = replay_fleet(
-            work, capacity, args.nodes, args.router, seed=args.seed, ms_per_output_token=ms
+            work,
+            capacity,
+            args.nodes,
+            args.router,
+            seed=args.seed,
+            ms_per_output_token=ms,
+            admission=policy,
         )
         tiered, gpu_only = fleet.shared, fleet.gpu_only
     oracle = oracle_saved_tokens(work.requests, work.hashes)
-    summary = summarize(work, capacity, sized, tiered, gpu_only, oracle)
+    as_daemon = args.as_daemon or args.nodes is not None
+    summary = summarize(work, capacity, sized, tiered, gpu_only, oracle, policy, as_daemon)
     if fleet is not None:
         summary |= fleet_summary(fleet)
     if args.plot:
-        points = sweep(work, capacity, tiered, gpu_only, ms)
+        points = sweep(work, capacity, tiered, gpu_only, ms, policy, as_daemon)
         plot_sweep(
             args.plot, work.name, points, gpu_only.saved_tokens, oracle, work.distinct_blocks
         )

@@ -34,6 +34,7 @@ from kvtier.bench.replay.sim import (
     run_nodes,
 )
 from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.host.admission import DEFAULT_POLICY
 from kvtier.tiers.remote.config import RemoteConfig
 from kvtier.tiers.remote.format import value_size
 from kvtier.tiers.remote.tier import RemoteSettings
@@ -85,11 +86,13 @@ def run_fleet(
     store_url: str | None,
     ms_per_output_token: float,
     label: str,
+    admission: str = DEFAULT_POLICY,
 ) -> tuple[RunResult, list[RunResult], TierCounters]:
     """One run of the fleet: (its counts, each node's, its remote tiers' counters summed).
 
     Each node gets a remote tier on ``store_url`` when given and the capacity has a host tier
-    (the remote tier sits below it); all of its tiers are closed before this returns.
+    (the remote tier sits below it), and the ``admission`` policy on its host tier; all of its
+    tiers are closed before this returns.
     """
     remote_counters: list[TierCounters] = []
     with ExitStack() as stack:
@@ -103,7 +106,9 @@ def run_fleet(
                 stack.callback(remote.close)
                 remote_counters.append(remote.counters)
             disk_dir = os.path.join(tmp, f"node{i}") if capacity.disk_bytes > 0 else None
-            tiers = build_replay_stack(capacity, disk_dir, remote=remote, write_behind=True)
+            tiers = build_replay_stack(
+                capacity, disk_dir, remote=remote, write_behind=True, admission=admission
+            )
             # Nothing needs to outlive the run: no spill of every cached block at the end.
             stack.callback(tiers.close, persist=False)
             fleet.append(Node(tiers, remote=remote, store_on_compute=True))
@@ -119,11 +124,13 @@ def replay_fleet(
     *,
     seed: int = 0,
     ms_per_output_token: float = 20.0,
+    admission: str = DEFAULT_POLICY,
 ) -> FleetResult:
     """The fleet with its shared remote tier (on a private ``redis-server``), the same nodes
-    without it, and GPU pools alone, all on the same routes."""
+    without it, and GPU pools alone, all on the same routes, each host tier under the
+    ``admission`` policy."""
     routes = route(len(work.requests), nodes, router, seed)
-    ms = ms_per_output_token
+    ms, policy = ms_per_output_token, admission
     with RedisProcess(maxmemory=store_bytes(work.distinct_blocks)) as server:
         shared, per_node, remote = run_fleet(
             work,
@@ -133,9 +140,17 @@ def replay_fleet(
             store_url=server.url,
             ms_per_output_token=ms,
             label="shared",
+            admission=policy,
         )
     no_remote, _, _ = run_fleet(
-        work, capacity, nodes, routes, store_url=None, ms_per_output_token=ms, label="no-remote"
+        work,
+        capacity,
+        nodes,
+        routes,
+        store_url=None,
+        ms_per_output_token=ms,
+        label="no-remote",
+        admission=policy,
     )
     gpu_only, _, _ = run_fleet(
         work,

@@ -32,8 +32,11 @@ def sweep(
     main: RunResult,
     gpu_only: RunResult,
     ms_per_output_token: float,
+    admission: str,
+    as_daemon: bool,
 ) -> list[SweepPoint]:
-    """Tiered runs at each of ``SHARES`` on ``capacity``'s GPU pool, plus the runs already made.
+    """Tiered runs at each of ``SHARES`` on ``capacity``'s GPU pool (the host tier under the
+    ``admission`` policy, fed as the daemon if ``as_daemon``), plus the runs already made.
 
     No lower tier at all is the GPU-only run; the main run is the point at its own capacity.
     """
@@ -59,6 +62,8 @@ def sweep(
             cap,
             ms_per_output_token=ms_per_output_token,
             label=f"sweep host {host_share:.0%} disk {disk_share:.0%}",
+            admission=admission,
+            as_daemon=as_daemon,
         )
         points.append(SweepPoint(host, disk, result.saved_tokens))
     return sorted(points, key=lambda p: p.host_blocks + p.disk_blocks)

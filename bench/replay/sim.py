@@ -30,6 +30,7 @@ from kvtier.bench.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.free_queue import KVBlock
 from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.host.admission import DEFAULT_POLICY, admission_policy
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
 from kvtier.tiers.remote.tier import RemoteTier
@@ -76,6 +77,12 @@ class RunResult:
     max_running: int = 0
     blocks_spilled_to_host: int = 0
     blocks_spilled_to_disk: int = 0
+    blocks_not_admitted: int = 0
+    """Blocks the host tier's admission policy turned away."""
+    blocks_kept_off_disk: int = 0
+    """Blocks evicted from the host tier that its admission policy kept off the disk."""
+    disk_bytes_written: int = 0
+    """Block bytes the disk tier wrote (spills, writes behind, remote hits landing there)."""
     corrupt_blocks: int = 0
     wall_s: float = 0.0
 
@@ -83,6 +90,11 @@ class RunResult:
     def saved_tokens(self) -> int:
         hits = (self.gpu_hit_tokens, self.host_hit_tokens, self.disk_hit_tokens)
         return sum(hits) + self.remote_hit_tokens
+
+    @property
+    def bytes_written_per_saved_token(self) -> float | None:
+        """What the disk's endurance paid for each prefill token saved (by any tier)."""
+        return self.disk_bytes_written / self.saved_tokens if self.saved_tokens else None
 
     @classmethod
     def total(cls, parts: Sequence[RunResult], wall_s: float) -> RunResult:
@@ -130,10 +142,12 @@ def build_replay_stack(
     *,
     remote: RemoteTier | None = None,
     write_behind: bool = False,
+    admission: str = DEFAULT_POLICY,
 ) -> TierStack:
     """The stack under test: GPU pool, then host and disk tiers when the capacity has them,
     and ``remote`` below them. With ``write_behind`` the host tier writes each commit to the
-    tiers below at once, as in the daemon; otherwise blocks go down only when evicted."""
+    tiers below at once, as in the daemon; otherwise blocks go down only when evicted.
+    ``admission`` names the host tier's admission policy."""
     layout = REPLAY_LAYOUT
     if capacity.host_bytes <= 0:
         return build_stack(layout, capacity.gpu_blocks)
@@ -149,6 +163,7 @@ def build_replay_stack(
         lower=disk,
         remote=remote,
         write_behind=write_behind,
+        admission=admission_policy(admission, capacity.host_bytes // layout.block_bytes),
     )
     return build_stack(layout, capacity.gpu_blocks, lower=host, disk=disk)
 
@@ -160,12 +175,18 @@ def replay(
     *,
     ms_per_output_token: float = 20.0,
     label: str = "replay",
+    admission: str = DEFAULT_POLICY,
+    as_daemon: bool = False,
 ) -> RunResult:
-    """Runs every request through a fresh stack of ``capacity`` and returns its counts."""
+    """Runs every request through a fresh stack of ``capacity`` (its host tier under the
+    ``admission`` policy) and returns its counts. ``as_daemon`` feeds the node as the vLLM
+    connector feeds the daemon (``Node``'s ``store_on_compute``, the host tier writing
+    behind) instead of as an engine's own stack."""
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
-        stack = build_replay_stack(capacity, tmp if capacity.disk_bytes > 0 else None)
+        disk_dir = tmp if capacity.disk_bytes > 0 else None
+        stack = build_replay_stack(capacity, disk_dir, write_behind=as_daemon, admission=admission)
         try:
-            node = Node(stack)
+            node = Node(stack, store_on_compute=as_daemon)
             run_nodes([node], requests, hashes, [0] * len(requests), ms_per_output_token, label)
             return node.result
         finally:
@@ -251,16 +272,22 @@ class Node:
 
     def drain(self) -> None:
         """Finishes every running request and waits for copies in flight; takes the spill
-        counts."""
+        and write counts."""
         while self._running:
             self._finish_one()
         self._finish_writes()
-        stack = self.stack
+        stack, result = self.stack, self.result
         if stack.engine is not None:
             stack.engine.synchronize()
-        self.result.blocks_spilled_to_host = stack.pool.counters.blocks_spilled
+        result.blocks_spilled_to_host = stack.pool.counters.blocks_spilled
         if stack.lower is not None:
-            self.result.blocks_spilled_to_disk = stack.lower.counters.blocks_spilled
+            host = stack.lower.counters
+            result.blocks_spilled_to_disk = host.blocks_spilled
+            result.blocks_not_admitted = host.blocks_not_admitted
+            result.blocks_kept_off_disk = host.blocks_kept_off_disk
+        if stack.disk is not None:
+            stack.disk.flush()
+            result.disk_bytes_written = stack.disk.counters.bytes_in
 
     def _remote_loaded(self) -> int:
         return self.remote.counters.blocks_loaded if self.remote is not None else 0

@@ -16,6 +16,7 @@ import numpy as np
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.host.behind import WriteBehind
 from kvtier.tiers.host.slots import READY, SlotTable
 from kvtier.tiers.lower import DiskTierLike, LowerHits, RemoteTierLike
 from kvtier.tiers.tunables import TUNABLES
@@ -37,8 +38,8 @@ class SlotOps:
     drop: Callable[[int], BlockHash]
     emit: Callable[[str, BlockHash, bytes], None]
     """Announces "stored" or "removed" for a hash and its meta."""
-    pin_for_write: Callable[[int], Callable[[bool], None]]
-    """Pins a slot for one write behind; returns what the write calls when it is done."""
+    behind: WriteBehind
+    """Pins slots for writes to the tiers below and starts them."""
 
 
 class Promoter:
@@ -172,15 +173,13 @@ class Promoter:
         """A remote hit lands in the disk tier too, written from its slot (pinned until the
         write is done), as a commit's is: no copy of its own per block, so however many
         blocks a promotion brings, the memory they take is the host slots they are in."""
-        blocks = []
+        disk, blocks = [self.lower], []
         with self._lock:
             for slot in slots:
-                done = self._ops.pin_for_write(slot)
-                blocks.append(
-                    (slot, self._slots.hash_of(slot), self._slots.meta.get(slot, b""), done)
-                )
-        for slot, block_hash, meta, done in blocks:
-            self.lower.write_behind(block_hash, self._slab_np[slot], meta, done)
+                self._ops.behind.pin(slot, disk)
+                blocks.append((slot, self._slots.hash_of(slot), self._slots.meta.get(slot, b"")))
+        for block in blocks:
+            self._ops.behind.start(*block, disk)
 
     def _ready_promoted(self, slot: int) -> None:
         """A promoted slot becomes readable, pinned once for the caller; call under the lock."""

@@ -12,14 +12,14 @@ commit is readable at once and is also written to those tiers from its slot, whi
 pinned until they are done; otherwise (an engine's own stack) a block reaches the disk tier
 when its slot is evicted (spill). Either way eviction takes the least recently used slot,
 and a prefix enters the LRU tail first, so its tail is evicted before its head and a prefix
-partly in this tier never cascades through the disk on its next acquire.
+partly in this tier never cascades through the disk on its next acquire. An admission policy
+(``kvtier.tiers.host.admission``) decides which offered blocks enter and which go to disk.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import numpy as np
 import torch
@@ -27,12 +27,15 @@ import torch
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.gpu.pinned import allocate_host
 from kvtier.tiers.hashing import BlockHash, check_hash
+from kvtier.tiers.host.admission import AdmissionPolicy, AdmitAll
+from kvtier.tiers.host.behind import Below, WriteBehind
 from kvtier.tiers.host.promote import Promoter, SlotOps
 from kvtier.tiers.host.slots import READY, WRITING, SlotTable
 from kvtier.tiers.lower import (
     ALREADY_STORED,
     MAX_META_BYTES,
     NO_SPACE,
+    NOT_ADMITTED,
     DiskTierLike,
     LowerHits,
     RemoteTierLike,
@@ -56,9 +59,11 @@ class HostTier:
         write_behind: bool = False,
         counters: TierCounters | None = None,
         on_event: EventFn | None = None,
+        admission: AdmissionPolicy | None = None,
     ):
         """``on_event(kind, hash, meta)`` hears "stored" and "removed"; it may run under the
-        tier's lock, so it must only hand the event on (a queue), never call back into it."""
+        tier's lock, so it must only hand the event on (a queue), never call back into it.
+        ``admission`` (default: admit all, write all down) is called under the lock too."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         num_slots = capacity_bytes // block_bytes
@@ -79,16 +84,17 @@ class HostTier:
         self._slab_np = self.slab.numpy()
         self.lower = lower
         self.remote = remote
-        self._behind = [t for t in (lower, remote) if t is not None] if write_behind else []
         self.counters = counters or TierCounters("host")
         self.counters.capacity_blocks = num_slots
         self.counters.capacity_bytes = num_slots * block_bytes
         self._on_event = on_event
+        self.admission = admission or AdmitAll()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         """Notified when a promotion ends or a slot may have come free."""
         self._slots = SlotTable(num_slots)
-        self._behind_left: dict[int, int] = {}  # slot -> writes behind not finished yet
+        below = [t for t in (lower, remote) if t is not None] if write_behind else []
+        self._behind = WriteBehind(below, lower, self._changed, self._slots, self._slab_np)
         self._promoter = Promoter(
             SlotOps(
                 self._changed,
@@ -98,7 +104,7 @@ class HostTier:
                 self._claim,
                 self._drop,
                 self._emit,
-                self._pin_for_write,
+                self._behind,
             ),
             lower,
             remote,
@@ -187,6 +193,7 @@ class HostTier:
                     else:
                         hits.disk += 1
                 pos += run
+            self.admission.looked_up(h for h in hashes[pos:] if h not in table.index)
             self._mark_read(resident, hold)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
@@ -206,7 +213,7 @@ class HostTier:
     def writing_behind(self) -> int:
         """Blocks (committed or promoted) whose write to a tier below has not finished."""
         with self._lock:
-            return len(self._behind_left)
+            return len(self._behind)
 
     def slot_array(self, slot: int) -> np.ndarray:
         """The bytes of one slot as a writable numpy view (no copy)."""
@@ -224,7 +231,8 @@ class HostTier:
     # ---- store ----
 
     def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes] = ()) -> list[int]:
-        """Reserves a slot for each hash; ``ALREADY_STORED`` or ``NO_SPACE`` where it can't.
+        """Reserves a slot for each hash; ``ALREADY_STORED``, ``NO_SPACE`` or ``NOT_ADMITTED``
+        where it can't.
 
         The hash is claimed at once (a second reserve of it sees ``ALREADY_STORED``) but the
         slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
@@ -252,6 +260,10 @@ class HostTier:
                     self.counters.blocks_deduplicated += 1
                     result.append(ALREADY_STORED)
                     continue
+                if not self.admission.admit(h):
+                    self.counters.blocks_not_admitted += 1
+                    result.append(NOT_ADMITTED)
+                    continue
                 slot = self._take_slot()
                 if slot is None:
                     result.append(NO_SPACE)
@@ -267,29 +279,24 @@ class HostTier:
         first. With ``write_behind`` each is written to the tiers below from its slot, pinned
         until they are done.
         """
-        committed: list[tuple[int, BlockHash, bytes]] = []
+        committed: list[tuple[int, BlockHash, bytes, list[Below]]] = []
         with self._lock:
             table = self._slots
             for slot in slots:
                 self._check_state(slot, WRITING, "commit")
             for slot in reversed(slots):
                 table.state[slot] = READY
-                block = (slot, table.hash_of(slot), table.meta.get(slot, b""))
-                committed.append(block)
-                if self._behind:
-                    for _ in self._behind:
-                        table.pin(slot)
-                    self._behind_left[slot] = len(self._behind)
-                else:
+                block_hash, meta = table.hash_of(slot), table.meta.get(slot, b"")
+                below = self._behind.tiers(disk=self.admission.writes_down(block_hash))
+                committed.append((slot, block_hash, meta, below))
+                self._behind.pin(slot, below)
+                if not below:
                     table.lru_push(slot)
                 self.counters.blocks_stored += 1
                 self.counters.bytes_in += self.block_bytes
-                self._emit("stored", block[1], block[2])
-        for slot, block_hash, meta in committed:
-            for tier in self._behind:
-                tier.write_behind(
-                    block_hash, self._slab_np[slot], meta, partial(self._written, slot)
-                )
+                self._emit("stored", block_hash, meta)
+        for block in committed:
+            self._behind.start(*block)
 
     def abort(self, slots: Sequence[int]) -> None:
         """Gives reserved slots back unwritten; their hashes are not stored."""
@@ -317,12 +324,18 @@ class HostTier:
             check_hash(h)
         sources = LowerHits()
         found: list[int | None] = []
+        late: list[tuple[int, BlockHash, bytes, list[Below]]] = []  # now worth a disk write behind
         with self._lock:
             for h in hashes:
                 slot = self._slots.ready_slot(h)
                 if slot is not None:
                     self._slots.pin(slot)
+                    if self.admission.hit(h) and (disk := self._behind.missing_on_disk(h)):
+                        self._behind.pin(slot, disk)
+                        late.append((slot, h, self._slots.meta.get(slot, b""), disk))
                 found.append(slot)
+        for block in late:
+            self._behind.start(*block)
         acquired: list[int] = []
         pos = 0
         while pos < len(hashes):
@@ -357,40 +370,22 @@ class HostTier:
             self._changed.notify_all()
 
     def spill_all(self) -> int:
-        """Copies every committed block the disk tier lacks into it (graceful shutdown).
-
-        Returns how many blocks were spilled; the slots stay valid.
-        """
+        """Copies every committed block the disk tier lacks into it (graceful shutdown),
+        if the admission policy sends it down. Returns how many; the slots stay valid."""
         if self.lower is None:
             return 0
         spilled = 0
         with self._lock:
-            table = self._slots
+            table, down = self._slots, self.admission.writes_down
             below = self.lower.holding(list(table.index))
             for block_hash, slot in list(table.index.items()):
-                if table.state[slot] == READY and block_hash not in below:
+                if table.state[slot] == READY and block_hash not in below and down(block_hash):
                     self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
                     spilled += 1
             self.counters.blocks_spilled += spilled
         return spilled
 
     # ---- internals ----
-
-    def _pin_for_write(self, slot: int) -> Callable[[bool], None]:
-        """Pins ``slot`` for one more write behind; call under the lock."""
-        self._slots.pin(slot)
-        self._behind_left[slot] = self._behind_left.get(slot, 0) + 1
-        return partial(self._written, slot)
-
-    def _written(self, slot: int, ok: bool) -> None:
-        """One write behind of the slot finished; the tier below counts a failure (``ok``
-        False) itself. The slot stays pinned until every such write is done."""
-        with self._lock:
-            left = self._behind_left.pop(slot) - 1
-            if left:
-                self._behind_left[slot] = left
-            self._slots.unpin(slot)
-            self._changed.notify_all()
 
     def _claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
         self._slots.claim(slot, block_hash, meta)
@@ -399,6 +394,7 @@ class HostTier:
 
     def _drop(self, slot: int) -> BlockHash:
         block_hash = self._slots.drop(slot)
+        self.admission.dropped(block_hash)
         self.counters.used_blocks -= 1
         self.counters.used_bytes -= self.block_bytes
         self._changed.notify_all()
@@ -425,8 +421,11 @@ class HostTier:
         below = self.lower.holding([v for _, v, _ in victims]) if self.lower is not None else set()
         for slot, victim, meta in victims:
             if self.lower is not None and victim not in below:
-                self.lower.put(victim, self._slab_np[slot], meta)
-                self.counters.blocks_spilled += 1
+                if self.admission.writes_down(victim):
+                    self.lower.put(victim, self._slab_np[slot], meta)
+                    self.counters.blocks_spilled += 1
+                else:
+                    self.counters.blocks_kept_off_disk += 1
             self.counters.blocks_evicted += 1
             self._drop(slot)
             self._emit("removed", victim, meta)
