@@ -30,6 +30,7 @@ from kvtier.tiers.hashing import BlockHash, check_hash
 from kvtier.tiers.host.admission import AdmissionPolicy, AdmitAll
 from kvtier.tiers.host.behind import Below, WriteBehind
 from kvtier.tiers.host.promote import Promoter, SlotOps
+from kvtier.tiers.host.residency import EventFn, Residency
 from kvtier.tiers.host.slots import READY, WRITING, SlotTable
 from kvtier.tiers.lower import (
     ALREADY_STORED,
@@ -40,8 +41,6 @@ from kvtier.tiers.lower import (
     LowerHits,
     RemoteTierLike,
 )
-
-EventFn = Callable[[str, BlockHash, bytes], None]
 
 
 class HostTier:
@@ -87,12 +86,20 @@ class HostTier:
         self.counters = counters or TierCounters("host")
         self.counters.capacity_blocks = num_slots
         self.counters.capacity_bytes = num_slots * block_bytes
-        self._on_event = on_event
         self.admission = admission or AdmitAll()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         """Notified when a promotion ends or a slot may have come free."""
         self._slots = SlotTable(num_slots)
+        self._room = Residency(
+            self._slots,
+            self._slab_np,
+            self._changed,
+            lower,
+            self.admission,
+            self.counters,
+            on_event,
+        )
         below = [t for t in (lower, remote) if t is not None] if write_behind else []
         self._behind = WriteBehind(below, lower, self._changed, self._slots, self._slab_np)
         self._promoter = Promoter(
@@ -100,10 +107,10 @@ class HostTier:
                 self._changed,
                 self._slots,
                 self._slab_np,
-                self._take_slot,
-                self._claim,
-                self._drop,
-                self._emit,
+                self._room.take,
+                self._room.claim,
+                self._room.drop,
+                self._room.emit,
                 self._behind,
             ),
             lower,
@@ -252,7 +259,7 @@ class HostTier:
             # and so are the slots evicted to make room.
             fresh = {h for h in hashes if h not in index}
             below = self.lower.holding(list(fresh)) if self.lower is not None and fresh else set()
-            evicted = self._make_room(len(fresh - below))
+            evicted = self._room.make_room(len(fresh - below))
             if self.lower is not None:
                 below |= evicted  # the tier below has each block evicted (spilled if need be)
             for i, h in enumerate(hashes):
@@ -264,11 +271,11 @@ class HostTier:
                     self.counters.blocks_not_admitted += 1
                     result.append(NOT_ADMITTED)
                     continue
-                slot = self._take_slot()
+                slot = self._room.take()
                 if slot is None:
                     result.append(NO_SPACE)
                     continue
-                self._claim(slot, h, metas[i] if metas else b"")
+                self._room.claim(slot, h, metas[i] if metas else b"")
                 result.append(slot)
         return result
 
@@ -294,7 +301,7 @@ class HostTier:
                     table.lru_push(slot)
                 self.counters.blocks_stored += 1
                 self.counters.bytes_in += self.block_bytes
-                self._emit("stored", block_hash, meta)
+                self._room.emit("stored", block_hash, meta)
         for block in committed:
             self._behind.start(*block)
 
@@ -304,7 +311,7 @@ class HostTier:
             for slot in slots:
                 self._check_state(slot, WRITING, "abort")
             for slot in slots:
-                self._drop(slot)
+                self._room.drop(slot)
 
     # ---- load ----
 
@@ -387,54 +394,6 @@ class HostTier:
 
     # ---- internals ----
 
-    def _claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
-        self._slots.claim(slot, block_hash, meta)
-        self.counters.used_blocks += 1
-        self.counters.used_bytes += self.block_bytes
-
-    def _drop(self, slot: int) -> BlockHash:
-        block_hash = self._slots.drop(slot)
-        self.admission.dropped(block_hash)
-        self.counters.used_blocks -= 1
-        self.counters.used_bytes -= self.block_bytes
-        self._changed.notify_all()
-        return block_hash
-
-    def _take_slot(self) -> int | None:
-        """A free slot, evicting the LRU committed slot if need be."""
-        self._make_room(1)
-        return self._slots.pop_free()
-
-    def _make_room(self, wanted: int) -> set[BlockHash]:
-        """Evicts LRU committed slots until ``wanted`` slots are free (or none is left to
-        evict), spilling into the disk tier those it lacks (asked once for them all);
-        returns the hashes evicted."""
-        table = self._slots
-        victims = []
-        while table.free + len(victims) < wanted:
-            slot = table.lru_pop()
-            if slot is None:
-                break
-            victims.append((slot, table.hash_of(slot), table.meta.get(slot, b"")))
-        if not victims:
-            return set()
-        below = self.lower.holding([v for _, v, _ in victims]) if self.lower is not None else set()
-        for slot, victim, meta in victims:
-            if self.lower is not None and victim not in below:
-                if self.admission.writes_down(victim):
-                    self.lower.put(victim, self._slab_np[slot], meta)
-                    self.counters.blocks_spilled += 1
-                else:
-                    self.counters.blocks_kept_off_disk += 1
-            self.counters.blocks_evicted += 1
-            self._drop(slot)
-            self._emit("removed", victim, meta)
-        return {victim for _, victim, _ in victims}
-
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
             raise ValueError(f"{op}: slot {slot} is not in the state {op} needs")
-
-    def _emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
-        if self._on_event is not None:
-            self._on_event(kind, block_hash, meta)

@@ -1,0 +1,93 @@
+"""Which blocks occupy the host tier's slots: claiming a slot for a hash, dropping it, and
+making room by evicting the least recently used committed slots.
+
+``HostTier`` owns one ``Residency``; every method is called with the host tier's lock held.
+An evicted block goes down to the disk tier if that tier lacks it and the admission policy
+sends it there; every change of occupancy is counted and announced ("removed").
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.host.admission import AdmissionPolicy
+from kvtier.tiers.host.slots import SlotTable
+from kvtier.tiers.lower import DiskTierLike
+
+EventFn = Callable[[str, BlockHash, bytes], None]
+
+
+class Residency:
+    def __init__(
+        self,
+        table: SlotTable,
+        slab: np.ndarray,
+        changed: threading.Condition,
+        lower: DiskTierLike | None,
+        admission: AdmissionPolicy,
+        counters: TierCounters,
+        on_event: EventFn | None,
+    ):
+        """``changed`` is the host tier's lock and condition, notified when a slot comes
+        free; ``on_event(kind, hash, meta)`` hears "removed" for every eviction."""
+        self._table = table
+        self._slab = slab
+        self._changed = changed
+        self._lower = lower
+        self._admission = admission
+        self._counters = counters
+        self._on_event = on_event
+        self._block_bytes = slab.shape[1]
+
+    def claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
+        self._table.claim(slot, block_hash, meta)
+        self._counters.used_blocks += 1
+        self._counters.used_bytes += self._block_bytes
+
+    def drop(self, slot: int) -> BlockHash:
+        block_hash = self._table.drop(slot)
+        self._admission.dropped(block_hash)
+        self._counters.used_blocks -= 1
+        self._counters.used_bytes -= self._block_bytes
+        self._changed.notify_all()
+        return block_hash
+
+    def take(self) -> int | None:
+        """A free slot, evicting the LRU committed slot if need be."""
+        self.make_room(1)
+        return self._table.pop_free()
+
+    def make_room(self, wanted: int) -> set[BlockHash]:
+        """Evicts LRU committed slots until ``wanted`` slots are free (or none is left to
+        evict), spilling into the disk tier those it lacks (asked once for them all);
+        returns the hashes evicted."""
+        table, lower = self._table, self._lower
+        victims = []
+        while table.free + len(victims) < wanted:
+            slot = table.lru_pop()
+            if slot is None:
+                break
+            victims.append((slot, table.hash_of(slot), table.meta.get(slot, b"")))
+        if not victims:
+            return set()
+        below = lower.holding([v for _, v, _ in victims]) if lower is not None else set()
+        for slot, victim, meta in victims:
+            if lower is not None and victim not in below:
+                if self._admission.writes_down(victim):
+                    lower.put(victim, self._slab[slot], meta)
+                    self._counters.blocks_spilled += 1
+                else:
+                    self._counters.blocks_kept_off_disk += 1
+            self._counters.blocks_evicted += 1
+            self.drop(slot)
+            self.emit("removed", victim, meta)
+        return {victim for _, victim, _ in victims}
+
+    def emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, block_hash, meta)
