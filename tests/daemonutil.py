@@ -55,19 +55,23 @@ def arenas_of(name: str) -> list[Path]:
     return sorted(SHM_DIR.glob(f"kvtier-{name}-*"))
 
 
-def leftovers() -> list[str]:
-    """What this session's daemons left on the machine: arenas, directories, and processes
-    (a daemon, its relay, or a client of it) still running; each is removed or killed."""
-    found = [str(p) for p in SHM_DIR.glob(f"kvtier-{NAME_PREFIX}*")]
+def leftovers(grace_s: float = 10.0) -> list[str]:
+    """What this session's daemons left on the machine: processes (a daemon, its relay, a
+    client of it) still running after ``grace_s``, arenas and directories; each is killed or
+    removed."""
+    deadline = time.monotonic() + grace_s
+    while (running := session_processes()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a relay whose daemon was just killed is on its way out
+    found = [f"pid {pid}: {cmdline}" for pid, cmdline in running]
+    for pid, _ in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     for path in SHM_DIR.glob(f"kvtier-{NAME_PREFIX}*"):
+        found.append(str(path))
         path.unlink(missing_ok=True)
     for root in Path("/tmp").glob(f"{ROOT_PREFIX}*"):
         found.append(str(root))
         shutil.rmtree(root, ignore_errors=True)
-    for pid, cmdline in session_processes():
-        found.append(f"pid {pid}: {cmdline}")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
     return found
 
 

@@ -39,6 +39,7 @@ _CONNECT_TIMEOUT_S = 10.0
 _ACCEPT_PAUSE_S = 0.1
 """How long accepting rests after the system ran out of descriptors or memory."""
 _OUT_OF_ROOM = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+_GONE_BEFORE_ACCEPT = frozenset((errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR))
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
@@ -85,6 +86,11 @@ class Relay:
         """Connections relayed or waiting for room in gRPC's backlog."""
         return len(self._links) + len(self._connecting)
 
+    @property
+    def waiting(self) -> int:
+        """Connections waiting for room in gRPC's backlog."""
+        return len(self._connecting)
+
     def serve_forever(self) -> None:
         while True:
             self.step(self._timeout())
@@ -118,7 +124,9 @@ class Relay:
                 if exc.errno in _OUT_OF_ROOM:
                     self._rest_accepting(exc)
                     return
-                continue  # a connection reset before it was accepted
+                if exc.errno in _GONE_BEFORE_ACCEPT:
+                    continue  # that connection only
+                raise  # the listener itself is broken: the daemon starts a new relay
             if self.connections >= self.max_connections:
                 client.close()
                 self._log.warning(
