@@ -9,7 +9,8 @@ stay held (unreadable, unevictable) until one of two things proves that no copy 
   it holds no slot of the old one (every copy through them has landed and been answered), so
   its word is the proof; a session id is a secret only its client knows.
 * its process is gone: every thread has finished exiting (``liveness``). Checked when the
-  session ends and at every reap after.
+  session ends, watched from then on (the kernel says when the process has exited), and
+  checked again at every reap.
 
 No timer frees the slots of a client whose process the daemon can see. A client it cannot see
 (over TCP, or in another pid namespace with no pid from the relay) gets its slots back after
@@ -24,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from kvtier.service.liveness import can_check, process_gone
+from kvtier.service.liveness import ExitWatch, can_check, process_gone
 from kvtier.service.sessions import Leftovers
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class Fence:
         self._lock = threading.Lock()
         self._held: dict[str, tuple[float, Leftovers]] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
+        self._exits = ExitWatch(self._exited)
 
     def hold(self, left: Leftovers) -> None:
         """A session ended without ``Close``: its slots come back now if its client cannot
@@ -65,6 +67,8 @@ class Fence:
         if not fenced:
             self._give_back(left)
             return
+        if can_check(left.client_pid, left.client_pid_ns):
+            self._exits.watch(left.session_id, left.client_pid)
         log.warning(
             "holding %d slots of session %s until its client (pid %d) reopens or exits: a "
             "copy of its may still land in them",
@@ -87,6 +91,7 @@ class Fence:
                 while len(self._released) > _RELEASED_IDS:
                     self._released.popitem(last=False)
         for left in back:
+            self._exits.unwatch(left.session_id)
             self._give_back(left)
         return sum(len(left.reserved) + len(left.acquired) for left in back)
 
@@ -106,14 +111,24 @@ class Fence:
         with self._lock:
             back = [self._held.pop(s)[1] for s in due if s in self._held]
         for left in back:
+            self._exits.unwatch(left.session_id)
             self._give_back(left)
         return len(back)
 
     def drain(self) -> list[Leftovers]:
-        """Every held session's slots, no longer held (the daemon is stopping)."""
+        """Every held session's slots, no longer held; the fence stops watching (the daemon
+        is stopping)."""
+        self._exits.close()
         with self._lock:
             held, self._held = self._held, {}
         return [left for _, left in held.values()]
+
+    def _exited(self, session_id: str) -> None:
+        """The client of a fenced session has finished exiting."""
+        with self._lock:
+            held = self._held.pop(session_id, None)
+        if held is not None:
+            self._give_back(held[1])
 
     def held(self) -> list[Leftovers]:
         with self._lock:

@@ -5,12 +5,8 @@ page-locked on the client's thread before the engine can use it."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
-import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,31 +16,12 @@ import pytest
 from kvtier.service.arena import Arena
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
+from shmutil import small_tmpfs
 
 HOST_SLOTS = 64
 HOST_BYTES = HOST_SLOTS * BLOCK_BYTES
 ROOM = 1.3
 """The arena directory's size, in host tiers: one arena and a bit, never two."""
-
-
-@contextlib.contextmanager
-def small_tmpfs(size: int) -> Iterator[Path]:
-    """A tmpfs of ``size`` bytes of its own (``mount`` needs root), removed afterwards."""
-    where = Path(tempfile.mkdtemp(prefix="kvtier-arenas-"))
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs of its own here: {done.stderr.strip()}")
-        try:
-            yield where
-        finally:
-            subprocess.run(["umount", "-l", str(where)], check=True)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture

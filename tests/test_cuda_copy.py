@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from kvtier.connector.vllm.layout import kv_placement
 from kvtier.service.arena import SHM_DIR
 from kvtier.tiers.gpu import cuda_copy
 from kvtier.tiers.gpu.copy_engine import CopyEngine
+from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
@@ -262,6 +264,74 @@ def test_round_trip_through_the_daemon_arena_with_vllm_shaped_tensors():
                 deadline = time.monotonic() + 60
                 while client.sessions_opened < 2 and time.monotonic() < deadline:
                     time.sleep(0.05)  # the client notices the restart on its own thread
+    finally:
+        stores.close()
+        loads.close()
+        client.close()
+        daemon.cleanup()
+
+
+def test_a_restarted_daemons_arena_is_page_locked_on_the_clients_thread():
+    """As the vLLM worker sets it up: the client page-locks each arena it maps, under the
+    engine's device, on its own thread and before the session that uses it is published; the
+    copy engines lock nothing, and copy through the new arena page-locked from its first
+    transfer."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers)]
+    daemon = Daemon(host_bytes=64 * LAYOUT.block_bytes, disk_bytes=256 * LAYOUT.block_bytes)
+    daemon.start()
+    client = DaemonClient(
+        LAYOUT.signature, LAYOUT.block_bytes, block_tokens=LAYOUT.block_size, target=daemon.target
+    )
+    device = torch.device("cuda", torch.cuda.current_device())
+    seen: list[tuple[str, str]] = []
+
+    def lock(slab: torch.Tensor) -> bool:
+        seen.append(("lock", threading.current_thread().name))
+        return register_host(slab, device, LAYOUT.block_bytes)
+
+    def unlock(slab: torch.Tensor) -> None:
+        seen.append(("unlock", threading.current_thread().name))
+        unregister_host(slab.data_ptr(), device)
+
+    src, dst = filled("BLHNC"), filled("LBHNC", seed=9)
+    assert client.wait_connected(60), daemon.log.read_text()
+    client.page_lock_with(lock, unlock)
+    stores = CopyEngine(
+        kv_placement(LAYOUT, dict(zip(names, src.layer_views(), strict=True)), names),
+        client.slab,
+        lock_host=False,
+    )
+    loads = CopyEngine(
+        kv_placement(LAYOUT, dict(zip(names, dst.layer_views(), strict=True)), names),
+        client.slab,
+        lock_host=False,
+    )
+    try:
+        for round_ in range(2):
+            deadline = time.monotonic() + 60
+            while not (client.sessions_opened > round_ and client.connected):
+                assert time.monotonic() < deadline, daemon.log.read_text()
+                time.sleep(0.05)  # the client notices the restart on its own thread
+            assert client.slab.is_pinned()  # before any transfer of this session
+            src.buffer.copy_(filled("BLHNC", seed=round_ + 1).buffer)
+            hashes = [bytes([round_, i]) * 8 for i in range(6)]
+            slots = client.reserve(hashes)
+            busy()
+            stores.store([7, 8, 9, 33, 34, 2], slots).wait()
+            assert stores.host_pinned
+            assert client.commit(slots)
+            acquired = client.acquire(hashes)
+            loads.load(acquired, [0, 1, 2, 3, 4, 5]).order_before()
+            assert torch.equal(blocks_of(dst, list(range(6))), blocks_of(src, [7, 8, 9, 33, 34, 2]))
+            loads.poll()
+            client.release(acquired)
+            client.settle()
+            if round_ == 0:
+                assert daemon.stop() == 0
+                daemon.proc = None
+                daemon.start()
+        main = threading.current_thread().name
+        assert seen == [("lock", main), ("unlock", "kvtier-client"), ("lock", "kvtier-client")]
     finally:
         stores.close()
         loads.close()

@@ -50,7 +50,7 @@ if find_spec("vllm") is None:
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
 
-from daemonutil import Daemon, free_port
+from daemonutil import Daemon, free_port, wait_until
 from eventutil import Router, events_config, router_hashes
 from llmutil import (
     EngineProcess,
@@ -59,6 +59,7 @@ from llmutil import (
     tiny_llama_config,
     write_random_model,
 )
+from shmutil import small_tmpfs
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -137,6 +138,14 @@ WORKLOADS = {
     "fault_after_stop": Workload(ask(DOCS[::-1], 9), 16),
     # 16 requests that each grow to 15 blocks in a 40-block cache: preempted again and again.
     "preempt": Workload([tokens(3000, 2 * BLOCK) + tokens(3100 + i, 40) for i in range(16)], 360),
+    # New prefixes (50 blocks each pass, more than vLLM's cache) stored while the daemon
+    # restarts under them.
+    **{
+        f"upgrade_{n}": Workload(
+            ask([tokens(6000 + 100 * n + i, 5 * BLOCK) for i in range(10)], 20 + n), 16
+        )
+        for n in range(3)
+    },
 }
 PROBE_TAIL = tokens(5000, 12)
 PROBE = Workload([doc + PROBE_TAIL for doc in DOCS[:6]], 16)
@@ -595,3 +604,61 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
 
     after = kvtier.run("fault_after_stop")  # the daemon thawed: the engine uses it again
     assert_identical(f"{kvtier.name} fault_after_stop", after.outputs, baseline["fault_after_stop"])
+
+
+# ---------------------------------------------------------------- upgrading the daemon
+
+UPGRADE_CONFIGS = ("sync-on_compute", "async-on_compute")
+"""Configurations whose stores start at each request's prefill, so that a pass has stored
+part of its blocks, and not all, when the daemon restarts under it."""
+ARENA_ROOM = 1.3
+"""The arena directory's size, in host tiers: room for one arena and a bit, never two."""
+RESTART_AFTER_BLOCKS = 10
+"""The daemon restarts once the pass has stored this many of its 50 blocks."""
+
+
+def stored_blocks(daemon: Daemon) -> int:
+    tiers = {t["tier"]: t for t in daemon_stats(daemon)["tiers"]}
+    return tiers["host"]["blocks_stored"]
+
+
+def test_daemon_upgraded_three_times_mid_run_with_room_for_one_arena(
+    kvtier: KVTierEngine, baseline: dict
+) -> None:
+    """The daemon restarted under a live engine (stopped, killed, stopped: an upgrade and a
+    crash) in the middle of a pass, three times, its arenas in a directory of 1.3 host
+    tiers. The engine lets go of each old arena once nothing of its is in flight, so each new
+    daemon finds room for its own; every pass's outputs are identical to an engine's without
+    kvtier, and after each restart the reused prefixes hit again."""
+    if kvtier.name not in UPGRADE_CONFIGS:
+        pytest.skip("a restart lands mid-pass where stores start at prefill")
+    kvtier.ensure_daemon()
+    daemon = kvtier.daemon
+    before = list(daemon.extra)
+    with small_tmpfs(int(ARENA_ROOM * HOST_BLOCKS * BLOCK_BYTES)) as arena_dir:
+        daemon.extra = [*before, "--arena-dir", str(arena_dir)]
+        try:
+            kvtier.restart_daemon()  # its arena moves into the small directory
+            stops = (daemon.stop, lambda: daemon.kill(signal.SIGKILL), daemon.stop)
+            for n, stop in enumerate(stops):
+                workload = f"upgrade_{n}"
+                marks = kvtier.start_pass(workload)
+                first = stored_blocks(daemon)
+                wait_until(
+                    lambda f=first: stored_blocks(daemon) >= f + RESTART_AFTER_BLOCKS,
+                    "the pass to store its first blocks",
+                    timeout=HANG_GUARD_S,
+                )
+                assert not kvtier.engine.answered(), "the pass ended before the restart"
+                stop()
+                daemon.start()
+                upgraded = kvtier.finish_pass(workload, marks)
+                assert_identical(f"{kvtier.name} {workload}", upgraded.outputs, baseline[workload])
+                kvtier.wait_attached()
+                resumed = kvtier.run("restart")  # the docs, pushed out of vLLM's cache
+                assert_identical(f"{kvtier.name} resumed {n}", resumed.outputs, baseline["restart"])
+                assert resumed.hits("host") + resumed.hits("disk") > 0, resumed.summary()
+                assert resumed.counter("load_failed_blocks") == 0, resumed.summary()
+        finally:
+            daemon.extra = before
+            kvtier.restart_daemon()  # back to /dev/shm before the small directory goes
