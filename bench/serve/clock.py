@@ -1,0 +1,76 @@
+"""The serving loop's clocks: real time, or the time the engine itself spends.
+
+On a machine other processes share, wall time measures them as much as the engine: a step
+preempted halfway takes twice as long, and one arm can run in a quiet minute and the next in a
+busy one. ``EngineClock`` counts instead what the engine thread spends: its CPU time while it
+computes (one torch thread computes on the calling thread, so this is all of it), and wall time
+while it admits requests, where it may wait on a read from the disk tier. Time the engine sits
+idle is skipped to the next arrival, as if slept through. ``WallClock`` is real time; a GPU
+needs it, since its kernels run on no CPU thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+
+class Clock(Protocol):
+    """Seconds since the run's start; the loop brackets each part of a step with ``mark`` and
+    ``advance``."""
+
+    name: str
+
+    def now(self) -> float: ...
+
+    def wait_until(self, t: float) -> None: ...
+
+    def mark(self) -> tuple[float, float]: ...
+
+    def advance(self, mark: tuple[float, float], *, waits: bool) -> None: ...
+
+
+class WallClock:
+    """Real time: a step takes what it takes, idle time is slept through."""
+
+    name = "wall"
+
+    def __init__(self) -> None:
+        self._start = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self._start
+
+    def wait_until(self, t: float) -> None:
+        time.sleep(max(0.0, t - self.now()))
+
+    def mark(self) -> tuple[float, float]:
+        return (0.0, 0.0)
+
+    def advance(self, mark: tuple[float, float], *, waits: bool) -> None:
+        """Nothing to do: real time has passed by itself."""
+
+
+class EngineClock:
+    """The engine thread's time: CPU time computing, wall time where it ``waits``."""
+
+    name = "engine"
+
+    def __init__(self) -> None:
+        self._t = 0.0
+
+    def now(self) -> float:
+        return self._t
+
+    def wait_until(self, t: float) -> None:
+        self._t = max(self._t, t)
+
+    def mark(self) -> tuple[float, float]:
+        return (time.perf_counter(), time.thread_time())
+
+    def advance(self, mark: tuple[float, float], *, waits: bool) -> None:
+        wall, cpu = mark
+        self._t += time.perf_counter() - wall if waits else time.thread_time() - cpu
+
+
+CLOCKS = {"wall": WallClock, "engine": EngineClock}

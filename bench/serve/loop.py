@@ -1,0 +1,210 @@
+"""The serving loop: requests arrive on the wall clock and share each step of one engine.
+
+Continuous batching as vLLM's scheduler does it, kept small. A request is admitted once it has
+arrived, fewer than ``max_running`` requests run and the pool can hold its whole sequence beside
+what the running ones will still need (so no request is ever preempted); admission takes its
+cached prefix from whichever tier holds it. Each step then computes one token of every decoding
+request in one batched forward pass (always ``max_running`` rows high, so a request's tokens do
+not depend on its neighbours) and spends the rest of its token budget on prefill chunks, oldest
+request first. A request's first token exists when its last prefill chunk is done: its time to
+first token runs from its arrival to the end of that step. Time is the ``clock``'s: real time,
+or the engine's own (``clock``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.bench.serve.clock import Clock, WallClock
+from kvtier.bench.serve.sample import ServeRequest
+from kvtier.engine.engine import Engine, SequenceState
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one request got: its times (seconds from the run's start), prefix and tokens."""
+
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    prompt_tokens: int
+    output_tokens: int
+    gpu_hit_tokens: int
+    host_hit_tokens: int
+    disk_hit_tokens: int
+    tokens: list[int]
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens this request prefilled (those no tier supplied)."""
+        hits = self.gpu_hit_tokens + self.host_hit_tokens + self.disk_hit_tokens
+        return self.prompt_tokens - hits
+
+
+@dataclass(slots=True)
+class LoopResult:
+    """Every request's outcome (in the order given) and where the engine's time went."""
+
+    outcomes: list[Outcome]
+    busy_s: float
+    """Time spent in steps (forward passes and the bookkeeping around them)."""
+    admit_s: float
+    """Of ``busy_s``, the time admissions took: hashing, the walk, lower-tier loads."""
+    span_s: float
+    """From the first arrival to the last request's end."""
+    steps: int
+    max_running: int
+
+
+@dataclass(slots=True)
+class _Active:
+    index: int
+    request: ServeRequest
+    seq: SequenceState
+    total_blocks: int
+    prefilled: bool = False
+    first_token_s: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+
+
+class ServingLoop:
+    """Serves requests through ``engine`` with up to ``max_running`` of them in flight."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_running: int,
+        step_tokens: int,
+        clock: Callable[[], Clock] = WallClock,
+    ):
+        if max_running < 1:
+            raise ValueError(f"max_running must be positive, got {max_running}")
+        if step_tokens <= max_running:
+            raise ValueError(
+                f"a step of {step_tokens} tokens leaves no room for prefill beside "
+                f"{max_running} decoding requests"
+            )
+        self.engine = engine
+        self.max_running = max_running
+        self.step_tokens = step_tokens
+        self.clock = clock
+
+    def blocks_needed(self, request: ServeRequest) -> int:
+        """GPU blocks the request holds at its end: the prompt and every token but the last
+        (the last one is read off the logits, never fed back)."""
+        tokens = len(request.prompt) + request.output_tokens - 1
+        return -(-tokens // self.engine.block_size)
+
+    def run(self, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]) -> LoopResult:
+        """Serves ``requests``, request ``i`` arriving ``arrivals_s[i]`` seconds after the start."""
+        if len(requests) != len(arrivals_s):
+            raise ValueError(f"{len(requests)} requests but {len(arrivals_s)} arrival times")
+        pool_blocks = len(self.engine.stack.pool.blocks)
+        for request in requests:
+            if self.blocks_needed(request) > pool_blocks:
+                raise ValueError(
+                    f"a request of {len(request.prompt)} + {request.output_tokens} tokens "
+                    f"needs {self.blocks_needed(request)} blocks, the pool has {pool_blocks}"
+                )
+        order = sorted(range(len(requests)), key=lambda i: arrivals_s[i])
+        pending = deque(order)
+        waiting: deque[int] = deque()
+        active: list[_Active] = []
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        busy = admit = 0.0
+        steps = max_running = 0
+        clock = self.clock()
+        while pending or waiting or active:
+            now = clock.now()
+            while pending and arrivals_s[pending[0]] <= now:
+                waiting.append(pending.popleft())
+            if not active and not waiting:
+                clock.wait_until(arrivals_s[pending[0]])
+                continue
+            mark = clock.mark()
+            while waiting and len(active) < self.max_running:
+                index = waiting[0]
+                request = requests[index]
+                need = self.blocks_needed(request)
+                if self._free_blocks(active) < need:
+                    break
+                waiting.popleft()
+                active.append(_Active(index, request, self.engine.begin(request.prompt), need))
+            clock.advance(mark, waits=True)
+            admitted = clock.now()
+            admit += admitted - now
+            max_running = max(max_running, len(active))
+            mark = clock.mark()
+            first_tokens = self._step(active)
+            finished = [a for a in active if self._finished(a)]
+            for a in finished:
+                active.remove(a)
+                a.tokens.append(int(torch.argmax(a.seq.last_logits)))
+                self.engine.finish(a.seq)
+            if self.engine.model.device.type == "cuda":
+                torch.cuda.synchronize()  # a step ends when its kernels have, not when queued
+            clock.advance(mark, waits=False)
+            end = clock.now()
+            busy += end - now
+            steps += 1
+            for a in first_tokens:
+                a.first_token_s = end
+            for a in finished:
+                outcomes[a.index] = self._outcome(a, arrivals_s[a.index], end)
+        done = [o for o in outcomes if o is not None]
+        assert len(done) == len(requests), "every request ends before the loop does"
+        first = min(arrivals_s, default=0.0)
+        span = max((o.finish_s for o in done), default=first) - first
+        return LoopResult(done, busy, admit, span, steps, max_running)
+
+    def _free_blocks(self, active: list[_Active]) -> int:
+        """Free blocks less those the running requests will still take."""
+        reserved = sum(a.total_blocks - len(a.seq.blocks) for a in active)
+        return self.engine.stack.pool.num_free - reserved
+
+    def _step(self, active: list[_Active]) -> list[_Active]:
+        """One engine step; returns the requests whose prefill it finished."""
+        decoding = [a for a in active if a.prefilled]
+        if decoding:
+            tokens = self.engine.decode_batch([a.seq for a in decoding], rows=self.max_running)
+            for a, token in zip(decoding, tokens, strict=True):
+                a.tokens.append(token)
+        budget = self.step_tokens - len(decoding)
+        first_tokens: list[_Active] = []
+        for a in active:
+            if budget <= 0:
+                break
+            while budget > 0 and not a.prefilled:
+                before = a.seq.num_computed
+                a.prefilled = self.engine.prefill_chunk(a.seq)
+                budget -= a.seq.num_computed - before
+                if a.prefilled:
+                    first_tokens.append(a)
+        return first_tokens
+
+    @staticmethod
+    def _finished(a: _Active) -> bool:
+        return a.prefilled and len(a.tokens) + 1 >= a.request.output_tokens
+
+    def _outcome(self, a: _Active, arrival_s: float, finish_s: float) -> Outcome:
+        bs, seq = self.engine.block_size, a.seq
+        return Outcome(
+            arrival_s,
+            a.first_token_s,
+            finish_s,
+            len(a.request.prompt),
+            a.request.output_tokens,
+            seq.gpu_hit_blocks * bs,
+            seq.host_hit_blocks * bs,
+            seq.disk_hit_blocks * bs,
+            a.tokens,
+        )
