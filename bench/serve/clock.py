@@ -17,7 +17,7 @@ from typing import Protocol
 
 class Clock(Protocol):
     """Seconds since the run's start; the loop brackets each part of a step with ``mark`` and
-    ``advance``."""
+    ``lap``, which returns the part's duration and moves the clock past it."""
 
     name: str
 
@@ -27,7 +27,7 @@ class Clock(Protocol):
 
     def mark(self) -> tuple[float, float]: ...
 
-    def advance(self, mark: tuple[float, float], *, waits: bool) -> None: ...
+    def lap(self, mark: tuple[float, float], *, waits: bool) -> float: ...
 
 
 class WallClock:
@@ -45,10 +45,11 @@ class WallClock:
         time.sleep(max(0.0, t - self.now()))
 
     def mark(self) -> tuple[float, float]:
-        return (0.0, 0.0)
+        return (time.perf_counter(), 0.0)
 
-    def advance(self, mark: tuple[float, float], *, waits: bool) -> None:
-        """Nothing to do: real time has passed by itself."""
+    def lap(self, mark: tuple[float, float], *, waits: bool) -> float:
+        """Real time has passed by itself; ``waits`` makes no difference to it."""
+        return time.perf_counter() - mark[0]
 
 
 class EngineClock:
@@ -68,9 +69,11 @@ class EngineClock:
     def mark(self) -> tuple[float, float]:
         return (time.perf_counter(), time.thread_time())
 
-    def advance(self, mark: tuple[float, float], *, waits: bool) -> None:
+    def lap(self, mark: tuple[float, float], *, waits: bool) -> float:
         wall, cpu = mark
-        self._t += time.perf_counter() - wall if waits else time.thread_time() - cpu
+        elapsed = time.perf_counter() - wall if waits else time.thread_time() - cpu
+        self._t += elapsed
+        return elapsed
 
 
 CLOCKS = {"wall": WallClock, "engine": EngineClock}

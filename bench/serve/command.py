@@ -51,9 +51,9 @@ MODELS = {
 still costs far more per token than loading KV; ``1b`` (Llama 3.2 1B's shape, bf16) for GPUs;
 ``tiny`` for tests."""
 DEFAULTS = {
-    # device: (model, block tokens, chunk blocks, step tokens)
-    "cpu": ("small", 16, 2, 256),
-    "cuda": ("1b", 128, 8, 2048),
+    # device: (model, block tokens, chunk blocks, step tokens, requests in flight)
+    "cpu": ("small", 16, 2, 256, 8),
+    "cuda": ("1b", 128, 8, 2048, 32),
 }
 
 
@@ -88,15 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--chunk-blocks", type=int, help="prefill chunk in 16-token blocks")
     parser.add_argument("--step-tokens", type=int, help="token budget of one engine step")
-    parser.add_argument("--max-running", type=int, default=16, help="requests in flight at most")
+    parser.add_argument(
+        "--max-running", type=int, help="requests in flight at most (default 8 CPU, 32 GPU)"
+    )
     parser.add_argument("--gpu-blocks", type=int, help="GPU pool (default: 5%% of blocks)")
     parser.add_argument("--host-blocks", type=int, help="host tier (default: 30%% of blocks)")
     parser.add_argument("--disk-blocks", type=int, help="disk tier (default: all blocks)")
     parser.add_argument(
         "--load",
         type=float,
-        default=0.8,
-        help="offered load as a share of the engine-only arm's measured capacity (default 0.8)",
+        default=0.9,
+        help="offered load as a share of the engine-only arm's measured capacity (default 0.9)",
     )
     parser.add_argument(
         "--time-scale", type=float, help="multiply trace arrival times by this (skips measuring)"
@@ -151,8 +153,18 @@ def run(args: argparse.Namespace) -> int:
         return NOT_SUPPORTED_EXIT
     if not 0 < args.load <= 1:
         raise SystemExit(f"kvtier bench serve: --load must be in (0, 1], got {args.load}")
+    threads = torch.get_num_threads()
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type not in DEFAULTS:
+        raise SystemExit(f"kvtier bench serve: runs on {' or '.join(DEFAULTS)}, not {device}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     clock = args.clock or ("engine" if device.type == "cpu" else "wall")
@@ -161,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "kvtier bench serve: --clock engine counts one CPU thread's time; it needs "
             "--device cpu and --threads 1 (or use --clock wall)"
         )
-    model_name, block_tokens, chunk_blocks, step_tokens = DEFAULTS[device.type]
+    model_name, block_tokens, chunk_blocks, step_tokens, max_running = DEFAULTS[device.type]
     model_name = args.model or model_name
     block_tokens = args.block_tokens or block_tokens
     if block_tokens % BLOCK_SIZE:
@@ -172,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         Decoder(config, device),
         BLOCK_SIZE,
         args.chunk_blocks or chunk_blocks,
-        args.max_running,
+        args.max_running or max_running,
         args.step_tokens or step_tokens,
         CLOCKS[clock],
         args.disk_dir,

@@ -13,6 +13,7 @@ or the engine's own (``clock``).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class Outcome:
     host_hit_tokens: int
     disk_hit_tokens: int
     tokens: list[int]
+    first_logits: str
+    """A digest of the logits after the prompt: equal only if they are equal bit for bit."""
 
     @property
     def ttft_s(self) -> float:
@@ -55,9 +58,13 @@ class LoopResult:
 
     outcomes: list[Outcome]
     busy_s: float
-    """Time spent in steps (forward passes and the bookkeeping around them)."""
+    """Time spent in steps: the sum of the three parts below and of finishing requests."""
     admit_s: float
-    """Of ``busy_s``, the time admissions took: hashing, the walk, lower-tier loads."""
+    """Admissions: hashing, the walk, lower-tier loads."""
+    decode_s: float
+    """Batched decode forward passes."""
+    prefill_s: float
+    """Prefill chunks."""
     span_s: float
     """From the first arrival to the last request's end."""
     steps: int
@@ -72,6 +79,7 @@ class _Active:
     total_blocks: int
     prefilled: bool = False
     first_token_s: float = 0.0
+    first_logits: str = ""
     tokens: list[int] = field(default_factory=list)
 
 
@@ -115,69 +123,80 @@ class ServingLoop:
                     f"a request of {len(request.prompt)} + {request.output_tokens} tokens "
                     f"needs {self.blocks_needed(request)} blocks, the pool has {pool_blocks}"
                 )
-        order = sorted(range(len(requests)), key=lambda i: arrivals_s[i])
-        pending = deque(order)
+        pending = deque(sorted(range(len(requests)), key=lambda i: arrivals_s[i]))
         waiting: deque[int] = deque()
         active: list[_Active] = []
         outcomes: list[Outcome | None] = [None] * len(requests)
-        busy = admit = 0.0
+        times = dict.fromkeys(("busy", "admit", "decode", "prefill"), 0.0)
         steps = max_running = 0
         clock = self.clock()
         while pending or waiting or active:
-            now = clock.now()
-            while pending and arrivals_s[pending[0]] <= now:
+            while pending and arrivals_s[pending[0]] <= clock.now():
                 waiting.append(pending.popleft())
             if not active and not waiting:
                 clock.wait_until(arrivals_s[pending[0]])
                 continue
+            start = clock.now()
             mark = clock.mark()
-            while waiting and len(active) < self.max_running:
-                index = waiting[0]
-                request = requests[index]
-                need = self.blocks_needed(request)
-                if self._free_blocks(active) < need:
-                    break
-                waiting.popleft()
-                active.append(_Active(index, request, self.engine.begin(request.prompt), need))
-            clock.advance(mark, waits=True)
-            admitted = clock.now()
-            admit += admitted - now
+            self._admit(requests, waiting, active)
+            times["admit"] += clock.lap(mark, waits=True)
             max_running = max(max_running, len(active))
-            mark = clock.mark()
-            first_tokens = self._step(active)
-            finished = [a for a in active if self._finished(a)]
-            for a in finished:
-                active.remove(a)
-                a.tokens.append(int(torch.argmax(a.seq.last_logits)))
-                self.engine.finish(a.seq)
-            if self.engine.model.device.type == "cuda":
-                torch.cuda.synchronize()  # a step ends when its kernels have, not when queued
-            clock.advance(mark, waits=False)
+            first_tokens, finished = self._step(active, clock, times)
             end = clock.now()
-            busy += end - now
+            times["busy"] += end - start
             steps += 1
             for a in first_tokens:
                 a.first_token_s = end
+                a.first_logits = _digest(a.seq.last_logits)
             for a in finished:
                 outcomes[a.index] = self._outcome(a, arrivals_s[a.index], end)
         done = [o for o in outcomes if o is not None]
         assert len(done) == len(requests), "every request ends before the loop does"
         first = min(arrivals_s, default=0.0)
         span = max((o.finish_s for o in done), default=first) - first
-        return LoopResult(done, busy, admit, span, steps, max_running)
+        return LoopResult(
+            done,
+            times["busy"],
+            times["admit"],
+            times["decode"],
+            times["prefill"],
+            span,
+            steps,
+            max_running,
+        )
+
+    def _admit(
+        self, requests: Sequence[ServeRequest], waiting: deque[int], active: list[_Active]
+    ) -> None:
+        """Admits waiting requests in arrival order while there is room for the next one."""
+        while waiting and len(active) < self.max_running:
+            index = waiting[0]
+            request = requests[index]
+            need = self.blocks_needed(request)
+            if self._free_blocks(active) < need:
+                break
+            waiting.popleft()
+            active.append(_Active(index, request, self.engine.begin(request.prompt), need))
 
     def _free_blocks(self, active: list[_Active]) -> int:
         """Free blocks less those the running requests will still take."""
         reserved = sum(a.total_blocks - len(a.seq.blocks) for a in active)
         return self.engine.stack.pool.num_free - reserved
 
-    def _step(self, active: list[_Active]) -> list[_Active]:
-        """One engine step; returns the requests whose prefill it finished."""
+    def _step(
+        self, active: list[_Active], clock: Clock, times: dict[str, float]
+    ) -> tuple[list[_Active], list[_Active]]:
+        """One engine step; returns the requests whose prefill it finished and those it
+        finished (which it takes out of ``active``)."""
+        mark = clock.mark()
         decoding = [a for a in active if a.prefilled]
         if decoding:
             tokens = self.engine.decode_batch([a.seq for a in decoding], rows=self.max_running)
             for a, token in zip(decoding, tokens, strict=True):
                 a.tokens.append(token)
+            self._sync()
+        times["decode"] += clock.lap(mark, waits=False)
+        mark = clock.mark()
         budget = self.step_tokens - len(decoding)
         first_tokens: list[_Active] = []
         for a in active:
@@ -189,7 +208,21 @@ class ServingLoop:
                 budget -= a.seq.num_computed - before
                 if a.prefilled:
                     first_tokens.append(a)
-        return first_tokens
+        self._sync()
+        times["prefill"] += clock.lap(mark, waits=False)
+        mark = clock.mark()
+        finished = [a for a in active if self._finished(a)]
+        for a in finished:
+            active.remove(a)
+            a.tokens.append(int(torch.argmax(a.seq.last_logits)))
+            self.engine.finish(a.seq)
+        clock.lap(mark, waits=False)
+        return first_tokens, finished
+
+    def _sync(self) -> None:
+        """A part of a step ends when its kernels have, not when they are queued."""
+        if self.engine.model.device.type == "cuda":
+            torch.cuda.synchronize()
 
     @staticmethod
     def _finished(a: _Active) -> bool:
@@ -207,4 +240,9 @@ class ServingLoop:
             seq.host_hit_blocks * bs,
             seq.disk_hit_blocks * bs,
             a.tokens,
+            a.first_logits,
         )
+
+
+def _digest(logits: torch.Tensor) -> str:
+    return hashlib.blake2b(logits.float().cpu().numpy().tobytes(), digest_size=16).hexdigest()

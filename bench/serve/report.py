@@ -54,6 +54,8 @@ def arm_summary(arm: ArmResult) -> dict[str, object]:
         },
         "busy_s": round(loop.busy_s, 3),
         "admit_s": round(loop.admit_s, 3),
+        "decode_s": round(loop.decode_s, 3),
+        "prefill_s": round(loop.prefill_s, 3),
         "span_s": round(loop.span_s, 3),
         "busy_fraction": round(loop.busy_s / loop.span_s, 3) if loop.span_s else None,
         "steps": loop.steps,
@@ -65,7 +67,8 @@ def arm_summary(arm: ArmResult) -> dict[str, object]:
 
 def compare(arms: Sequence[ArmResult]) -> dict[str, object]:
     """``arms`` (the engine-only arm first) with ratios to it, the best kvtier arm's two
-    headline ratios, and whether every arm generated the same tokens."""
+    headline ratios, and whether every arm generated the same tokens after the same logits
+    (bit for bit) for every request."""
     summaries = [arm_summary(a) for a in arms]
     base = summaries[0]
     for s in summaries:
@@ -77,8 +80,8 @@ def compare(arms: Sequence[ArmResult]) -> dict[str, object]:
         out["best_arm"] = best["name"]
         out["ttft_p50_ratio"] = best["vs_engine_only"]["ttft_p50_ms"]
         out["throughput_ratio"] = best["vs_engine_only"]["prompt_tokens_per_s"]
-    tokens = [[o.tokens for o in a.loop.outcomes] for a in arms]
-    out["outputs_identical"] = all(t == tokens[0] for t in tokens)
+    outputs = [[(o.tokens, o.first_logits) for o in a.loop.outcomes] for a in arms]
+    out["outputs_identical"] = all(o == outputs[0] for o in outputs)
     return out
 
 
@@ -137,8 +140,8 @@ def print_text(summary: dict[str, object]) -> None:
     if "best_arm" in s:
         lines.append(
             f"best kvtier arm {s['best_arm']}: ttft_p50_ratio {_fmt(s['ttft_p50_ratio'])}, "
-            f"throughput_ratio {_fmt(s['throughput_ratio'])}; greedy outputs identical in "
-            f"every arm: {s['outputs_identical']}"
+            f"throughput_ratio {_fmt(s['throughput_ratio'])}; tokens and first logits "
+            f"identical in every arm: {s['outputs_identical']}"
         )
     lines.append(f"wall: {s['wall_s']:.1f} s")
     print("\n".join(lines))
