@@ -14,6 +14,7 @@ from kvtier.bench.serve.clock import EngineClock
 from kvtier.bench.serve.loop import ServingLoop
 from kvtier.bench.serve.sample import (
     ServeRequest,
+    common_prefix,
     conversations,
     sample_conversations,
     to_serve_requests,
@@ -36,11 +37,13 @@ ARM_KEYS = (
 )
 
 
-def turns(conversation: int, count: int, start_s: float, gap_s: float) -> list[TraceRequest]:
-    """A conversation on the shared system block 0: each turn keeps the previous turn's full
-    blocks and adds two fresh ones and a partial block."""
+def turns(
+    conversation: int, count: int, start_s: float, gap_s: float, system: tuple[int, ...] = (0,)
+) -> list[TraceRequest]:
+    """A conversation behind the shared ``system`` blocks: each turn keeps the previous turn's
+    full blocks and adds two fresh ones and a partial block."""
     out: list[TraceRequest] = []
-    ids = [0]
+    ids = list(system)
     for turn in range(count):
         ids = [*ids, conversation * 100 + 2 * turn + 1, conversation * 100 + 2 * turn + 2]
         partial = 1000 * conversation + turn
@@ -55,9 +58,13 @@ def turns(conversation: int, count: int, start_s: float, gap_s: float) -> list[T
     return out
 
 
-def interleaved(conversations_: int = 3, count: int = 3) -> list[TraceRequest]:
+def interleaved(
+    conversations_: int = 3, count: int = 3, system: tuple[int, ...] = (0,)
+) -> list[TraceRequest]:
     """Conversations whose turns alternate, so each turn's predecessor is several requests back."""
-    reqs = [r for c in range(conversations_) for r in turns(c + 1, count, c, conversations_)]
+    reqs = [
+        r for c in range(conversations_) for r in turns(c + 1, count, c, conversations_, system)
+    ]
     return sorted(reqs, key=lambda r: r.timestamp_ms)
 
 
@@ -75,6 +82,14 @@ def test_conversations_group_turns_not_the_shared_system_block():
     for group in groups:
         firsts = {reqs[i].hash_ids[1] // 100 for i in group}
         assert len(firsts) == 1, "a conversation's turns share their first own block"
+
+
+def test_a_prompt_of_only_the_shared_prefix_starts_no_conversation_of_others():
+    system = (0, 1)
+    system_only = TraceRequest(0.0, len(system) * BS + 100, 1, (*system, 999))
+    reqs = [system_only, *interleaved(system=system)]
+    assert common_prefix(reqs) == system
+    assert sorted(len(g) for g in conversations(reqs)) == [1, 3, 3, 3]
 
 
 def test_sample_takes_whole_conversations():

@@ -1,23 +1,22 @@
 """The requests a serving run offers: whole conversations sampled from a trace, in tokens.
 
-A request continues an earlier one (a conversation's next turn) when that one's full-block
-prompt, at least two blocks long, begins it. Sampling whole conversations keeps every sampled
-turn's predecessors, hence the trace's reuse; arrival times are kept as they are, for the
-serving run to scale. Each 512-token trace block becomes ``block_tokens`` tokens of the model's
-vocabulary, drawn from the block's id as the replay does, so two prompts share a prefix exactly
-as far as their blocks agree.
+Most of a trace's requests start with one prefix (a system prompt, tool definitions); a
+conversation is the requests that agree on the block after it. Any two requests that share more
+than that prefix are in one conversation, so sampling whole conversations keeps every reuse
+among the sampled requests but that of the common prefix itself, which they all still share.
+Arrival times are kept as they are, for the serving run to scale. Each 512-token trace block
+becomes ``block_tokens`` tokens of the model's vocabulary, drawn from the block's id as the
+replay does, so two prompts share a prefix exactly as far as their blocks agree.
 """
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.bench.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_tokens
-
-MIN_TURN_BLOCKS = 2
-"""Shorter shared prefixes are a system prompt that every conversation starts with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,30 +28,31 @@ class ServeRequest:
     output_tokens: int
 
 
+def common_prefix(requests: Sequence[TraceRequest]) -> tuple[int, ...]:
+    """The longest run of leading block ids that more than half of the requests start with."""
+    prefix: tuple[int, ...] = ()
+    while True:
+        depth = len(prefix)
+        nexts = Counter(
+            r.hash_ids[depth]
+            for r in requests
+            if len(r.hash_ids) > depth and r.hash_ids[:depth] == prefix
+        )
+        if not nexts:
+            return prefix
+        block_id, count = nexts.most_common(1)[0]
+        if 2 * count <= len(requests):
+            return prefix
+        prefix = (*prefix, block_id)
+
+
 def conversations(requests: Sequence[TraceRequest]) -> list[list[int]]:
     """Indices of ``requests`` (in arrival order) grouped by conversation."""
-    nodes: dict[tuple[int, int], int] = {}
-    owner: dict[int, int] = {}
-    groups: list[list[int]] = []
+    depth = len(common_prefix(requests)) + 1
+    groups: dict[tuple[int, ...], list[int]] = {}
     for index, request in enumerate(requests):
-        full = request.hash_ids[: request.num_full_blocks]
-        node, group = 0, None
-        for depth, block_id in enumerate(full, 1):
-            node = nodes.get((node, block_id), -1)
-            if node < 0:
-                break
-            if depth >= MIN_TURN_BLOCKS and node in owner:
-                group = owner[node]
-        if group is None:
-            group = len(groups)
-            groups.append([])
-        groups[group].append(index)
-        node = 0
-        for block_id in full:
-            node = nodes.setdefault((node, block_id), len(nodes) + 1)
-        if full:
-            owner.setdefault(node, group)
-    return groups
+        groups.setdefault(request.hash_ids[:depth], []).append(index)
+    return list(groups.values())
 
 
 def sample_conversations(
