@@ -184,6 +184,18 @@ def test_command_serves_three_arms_with_the_same_tokens(tmp_path, capsys):
     assert left == sorted([png.name, path.name]), "the disk tiers' directories are gone"
 
 
+def test_command_on_the_wall_clock_runs_the_arms_in_turn(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, interleaved())
+    argv = ["--trace", str(path), "--model", "tiny", "--device", "cpu", "--clock", "wall"]
+    argv += ["--chunk-blocks", "1", "--time-scale", "0.001", "--disk-dir", str(tmp_path)]
+    out = run_serve(argv, capsys)
+    assert out["clock"] == "wall"
+    assert out["outputs_identical"] is True
+    computed = [a["prefill_tokens_computed"] for a in out["arms"]]
+    assert computed[1] < computed[0] and computed[2] < computed[0]
+
+
 def test_vllm_engine_says_it_is_not_supported(capsys):
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)

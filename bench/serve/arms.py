@@ -11,13 +11,14 @@ always holds at least the largest request, or that request could never run.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.bench.serve.clock import Clock, WallClock
-from kvtier.bench.serve.loop import LoopResult, ServingLoop
+from kvtier.bench.serve.loop import LoopResult, Serving, ServingLoop
 from kvtier.bench.serve.sample import ServeRequest
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
@@ -53,7 +54,7 @@ class ServeSetup:
     chunk_blocks: int
     max_running: int
     step_tokens: int
-    clock: Callable[[], Clock] = WallClock
+    clock: type[Clock] = WallClock
     disk_dir: str | None = None
     """Parent directory of the disk tier (default: the system's temporary directory)."""
 
@@ -122,38 +123,63 @@ def build_arm_stack(name: str, setup: ServeSetup, sizes: Sizes, disk_path: str) 
     raise ValueError(f"unknown arm {name!r}; arms are {', '.join(ARMS)}")
 
 
-def run_arm(
-    name: str,
+def run_arms(
+    names: Sequence[str],
     setup: ServeSetup,
     sizes: Sizes,
     requests: Sequence[ServeRequest],
     arrivals_s: Sequence[float],
-) -> ArmResult:
-    """Serves the requests through a fresh stack of arm ``name``; closes it after."""
-    with tempfile.TemporaryDirectory(prefix="kvtier-serve-", dir=setup.disk_dir) as tmp:
-        stack = build_arm_stack(name, setup, sizes, tmp)
-        try:
-            engine = Engine(setup.model, stack, chunk_blocks=setup.chunk_blocks)
-            loop = ServingLoop(
-                engine,
-                max_running=setup.max_running,
-                step_tokens=setup.step_tokens,
-                clock=setup.clock,
+) -> list[ArmResult]:
+    """Serves the requests through a fresh stack of each named arm; closes them after.
+
+    On a clock whose runs take turns (the engine clock) the arms advance a step at a time, the
+    one furthest behind first, so whatever else loads the machine falls on every arm alike;
+    on the wall clock they run one after another.
+    """
+    with contextlib.ExitStack() as exits:
+        loops: list[ServingLoop] = []
+        stacks: list[TierStack] = []
+        for name in names:
+            tmp = exits.enter_context(
+                tempfile.TemporaryDirectory(prefix="kvtier-serve-", dir=setup.disk_dir)
             )
-            result = ArmResult(name, loop.run(requests, arrivals_s))
-            if stack.engine is not None:
-                stack.engine.synchronize()
-            result.blocks_spilled_to_host = stack.pool.counters.blocks_spilled
-            if stack.lower is not None:
-                result.blocks_spilled_to_disk = stack.lower.counters.blocks_spilled
-            return result
-        finally:
-            stack.close(persist=False)
+            stack = build_arm_stack(name, setup, sizes, tmp)
+            exits.callback(stack.close, persist=False)
+            stacks.append(stack)
+            engine = Engine(setup.model, stack, chunk_blocks=setup.chunk_blocks)
+            loops.append(
+                ServingLoop(
+                    engine,
+                    max_running=setup.max_running,
+                    step_tokens=setup.step_tokens,
+                    clock=setup.clock,
+                )
+            )
+        if setup.clock.takes_turns:
+            runs = [loop.start(requests, arrivals_s) for loop in loops]
+            while not all(run.done for run in runs):
+                min((run for run in runs if not run.done), key=Serving.now).advance()
+            results = [run.result() for run in runs]
+        else:
+            results = [loop.run(requests, arrivals_s) for loop in loops]
+        return [
+            _arm_result(name, stack, result)
+            for name, stack, result in zip(names, stacks, results, strict=True)
+        ]
+
+
+def _arm_result(name: str, stack: TierStack, loop: LoopResult) -> ArmResult:
+    if stack.engine is not None:
+        stack.engine.synchronize()
+    result = ArmResult(name, loop, blocks_spilled_to_host=stack.pool.counters.blocks_spilled)
+    if stack.lower is not None:
+        result.blocks_spilled_to_disk = stack.lower.counters.blocks_spilled
+    return result
 
 
 def engine_capacity(setup: ServeSetup, sizes: Sizes, requests: Sequence[ServeRequest]) -> float:
     """Prompt tokens per busy second of the engine-only arm, all of ``requests`` offered at
     once (the engine always has work, as at saturation)."""
-    result = run_arm("engine-only", setup, sizes, requests, [0.0] * len(requests))
+    (result,) = run_arms(["engine-only"], setup, sizes, requests, [0.0] * len(requests))
     prompt = sum(len(r.prompt) for r in requests)
     return prompt / max(result.loop.busy_s, 1e-9)

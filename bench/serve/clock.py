@@ -20,6 +20,9 @@ class Clock(Protocol):
     ``lap``, which returns the part's duration and moves the clock past it."""
 
     name: str
+    takes_turns: bool
+    """Whether runs on such clocks may take turns on one thread (the time of one is not the
+    time of another)."""
 
     def now(self) -> float: ...
 
@@ -34,6 +37,7 @@ class WallClock:
     """Real time: a step takes what it takes, idle time is slept through."""
 
     name = "wall"
+    takes_turns = False
 
     def __init__(self) -> None:
         self._start = time.perf_counter()
@@ -56,6 +60,7 @@ class EngineClock:
     """The engine thread's time: CPU time computing, wall time where it ``waits``."""
 
     name = "engine"
+    takes_turns = True
 
     def __init__(self) -> None:
         self._t = 0.0

@@ -21,7 +21,7 @@ import torch
 
 from kvtier.bench.replay.trace import load_trace
 from kvtier.bench.replay.workloads import WORKLOADS
-from kvtier.bench.serve.arms import ARMS, ServeSetup, engine_capacity, run_arm, size_tiers
+from kvtier.bench.serve.arms import ARMS, ServeSetup, engine_capacity, run_arms, size_tiers
 from kvtier.bench.serve.clock import CLOCKS
 from kvtier.bench.serve.plot import plot_ttft_cdf
 from kvtier.bench.serve.report import compare, print_text, ttfts_ms
@@ -193,11 +193,9 @@ def _run(args: argparse.Namespace) -> int:
     logger.info("%d requests; tiers %s", len(requests), sizes)
     scale, capacity = time_scale(args, setup, sizes, requests)
     arrivals = [r.arrival_s * scale for r in requests]
-    results = []
-    for name in ARMS:
-        arm_started = time.perf_counter()
-        results.append(run_arm(name, setup, sizes, requests, arrivals))
-        logger.info("arm %s served in %.1f s", name, time.perf_counter() - arm_started)
+    arms_started = time.perf_counter()
+    results = run_arms(ARMS, setup, sizes, requests, arrivals)
+    logger.info("%d arms served in %.1f s", len(ARMS), time.perf_counter() - arms_started)
     summary: dict[str, object] = {
         "source": args.trace or f"{args.workload} (seed {args.seed})",
         "requests": len(requests),

@@ -1,4 +1,4 @@
-"""The serving loop: requests arrive on the wall clock and share each step of one engine.
+"""The serving loop: requests arrive on a clock and share each step of one engine.
 
 Continuous batching as vLLM's scheduler does it, kept small. A request is admitted once it has
 arrived, fewer than ``max_running`` requests run and the pool can hold its whole sequence beside
@@ -8,7 +8,8 @@ request in one batched forward pass (always ``max_running`` rows high, so a requ
 not depend on its neighbours) and spends the rest of its token budget on prefill chunks, oldest
 request first. A request's first token exists when its last prefill chunk is done: its time to
 first token runs from its arrival to the end of that step. Time is the ``clock``'s: real time,
-or the engine's own (``clock``).
+or the engine's own (``clock``). ``ServingLoop.start`` gives a run that advances one step at a
+time, so that runs on engine clocks can take turns on one thread.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ class _Active:
     first_logits: str = ""
     tokens: list[int] = field(default_factory=list)
 
+    @property
+    def remaining_tokens(self) -> int:
+        """Output tokens still to come; the last one is read off the logits without a step."""
+        return self.request.output_tokens - len(self.tokens)
+
 
 class ServingLoop:
     """Serves requests through ``engine`` with up to ``max_running`` of them in flight."""
@@ -114,6 +120,13 @@ class ServingLoop:
 
     def run(self, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]) -> LoopResult:
         """Serves ``requests``, request ``i`` arriving ``arrivals_s[i]`` seconds after the start."""
+        serving = self.start(requests, arrivals_s)
+        while not serving.done:
+            serving.advance()
+        return serving.result()
+
+    def start(self, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]) -> Serving:
+        """A run of ``requests`` that ``Serving.advance`` moves on; its clock starts now."""
         if len(requests) != len(arrivals_s):
             raise ValueError(f"{len(requests)} requests but {len(arrivals_s)} arrival times")
         pool_blocks = len(self.engine.stack.pool.blocks)
@@ -123,81 +136,107 @@ class ServingLoop:
                     f"a request of {len(request.prompt)} + {request.output_tokens} tokens "
                     f"needs {self.blocks_needed(request)} blocks, the pool has {pool_blocks}"
                 )
-        pending = deque(sorted(range(len(requests)), key=lambda i: arrivals_s[i]))
-        waiting: deque[int] = deque()
-        active: list[_Active] = []
-        outcomes: list[Outcome | None] = [None] * len(requests)
-        times = dict.fromkeys(("busy", "admit", "decode", "prefill"), 0.0)
-        steps = max_running = 0
-        clock = self.clock()
-        while pending or waiting or active:
-            while pending and arrivals_s[pending[0]] <= clock.now():
-                waiting.append(pending.popleft())
-            if not active and not waiting:
-                clock.wait_until(arrivals_s[pending[0]])
-                continue
-            start = clock.now()
-            mark = clock.mark()
-            self._admit(requests, waiting, active)
-            times["admit"] += clock.lap(mark, waits=True)
-            max_running = max(max_running, len(active))
-            first_tokens, finished = self._step(active, clock, times)
-            end = clock.now()
-            times["busy"] += end - start
-            steps += 1
-            for a in first_tokens:
-                a.first_token_s = end
-                a.first_logits = _digest(a.seq.last_logits)
-            for a in finished:
-                outcomes[a.index] = self._outcome(a, arrivals_s[a.index], end)
-        done = [o for o in outcomes if o is not None]
-        assert len(done) == len(requests), "every request ends before the loop does"
-        first = min(arrivals_s, default=0.0)
+        return Serving(self, requests, arrivals_s)
+
+
+class Serving:
+    """One run of a ``ServingLoop``: its requests' state and its clock."""
+
+    def __init__(
+        self, loop: ServingLoop, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]
+    ):
+        self.loop = loop
+        self.engine = loop.engine
+        self.requests = requests
+        self.arrivals_s = arrivals_s
+        self.pending = deque(sorted(range(len(requests)), key=lambda i: arrivals_s[i]))
+        self.waiting: deque[int] = deque()
+        self.active: list[_Active] = []
+        self.outcomes: list[Outcome | None] = [None] * len(requests)
+        self.times = dict.fromkeys(("busy", "admit", "decode", "prefill"), 0.0)
+        self.steps = 0
+        self.max_running = 0
+        self.clock = loop.clock()
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.waiting or self.active)
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def advance(self) -> None:
+        """Takes in the arrivals, then runs one step, or waits for the next arrival if idle."""
+        clock = self.clock
+        while self.pending and self.arrivals_s[self.pending[0]] <= clock.now():
+            self.waiting.append(self.pending.popleft())
+        if not self.active and not self.waiting:
+            clock.wait_until(self.arrivals_s[self.pending[0]])
+            return
+        start = clock.now()
+        mark = clock.mark()
+        self._admit()
+        self.times["admit"] += clock.lap(mark, waits=True)
+        self.max_running = max(self.max_running, len(self.active))
+        first_tokens, finished = self._step()
+        end = clock.now()
+        self.times["busy"] += end - start
+        self.steps += 1
+        for a in first_tokens:
+            a.first_token_s = end
+            a.first_logits = _digest(a.seq.last_logits)
+        for a in finished:
+            self.outcomes[a.index] = self._outcome(a, end)
+
+    def result(self) -> LoopResult:
+        done = [o for o in self.outcomes if o is not None]
+        assert len(done) == len(self.requests), "every request ends before the run does"
+        first = min(self.arrivals_s, default=0.0)
         span = max((o.finish_s for o in done), default=first) - first
+        t = self.times
         return LoopResult(
             done,
-            times["busy"],
-            times["admit"],
-            times["decode"],
-            times["prefill"],
+            t["busy"],
+            t["admit"],
+            t["decode"],
+            t["prefill"],
             span,
-            steps,
-            max_running,
+            self.steps,
+            self.max_running,
         )
 
-    def _admit(
-        self, requests: Sequence[ServeRequest], waiting: deque[int], active: list[_Active]
-    ) -> None:
+    def _admit(self) -> None:
         """Admits waiting requests in arrival order while there is room for the next one."""
-        while waiting and len(active) < self.max_running:
-            index = waiting[0]
-            request = requests[index]
-            need = self.blocks_needed(request)
-            if self._free_blocks(active) < need:
+        while self.waiting and len(self.active) < self.loop.max_running:
+            index = self.waiting[0]
+            request = self.requests[index]
+            need = self.loop.blocks_needed(request)
+            if self._free_blocks() < need:
                 break
-            waiting.popleft()
-            active.append(_Active(index, request, self.engine.begin(request.prompt), need))
+            self.waiting.popleft()
+            seq = self.engine.begin(request.prompt)
+            self.active.append(_Active(index, request, seq, need))
 
-    def _free_blocks(self, active: list[_Active]) -> int:
+    def _free_blocks(self) -> int:
         """Free blocks less those the running requests will still take."""
-        reserved = sum(a.total_blocks - len(a.seq.blocks) for a in active)
+        reserved = sum(a.total_blocks - len(a.seq.blocks) for a in self.active)
         return self.engine.stack.pool.num_free - reserved
 
-    def _step(
-        self, active: list[_Active], clock: Clock, times: dict[str, float]
-    ) -> tuple[list[_Active], list[_Active]]:
+    def _step(self) -> tuple[list[_Active], list[_Active]]:
         """One engine step; returns the requests whose prefill it finished and those it
         finished (which it takes out of ``active``)."""
+        clock, times, active = self.clock, self.times, self.active
         mark = clock.mark()
         decoding = [a for a in active if a.prefilled]
         if decoding:
-            tokens = self.engine.decode_batch([a.seq for a in decoding], rows=self.max_running)
+            seqs = [a.seq for a in decoding]
+            tokens = self.engine.decode_batch(seqs, rows=self.loop.max_running)
             for a, token in zip(decoding, tokens, strict=True):
                 a.tokens.append(token)
             self._sync()
         times["decode"] += clock.lap(mark, waits=False)
         mark = clock.mark()
-        budget = self.step_tokens - len(decoding)
+        budget = self.loop.step_tokens - len(decoding)
         first_tokens: list[_Active] = []
         for a in active:
             if budget <= 0:
@@ -211,7 +250,7 @@ class ServingLoop:
         self._sync()
         times["prefill"] += clock.lap(mark, waits=False)
         mark = clock.mark()
-        finished = [a for a in active if self._finished(a)]
+        finished = [a for a in active if a.prefilled and a.remaining_tokens <= 1]
         for a in finished:
             active.remove(a)
             a.tokens.append(int(torch.argmax(a.seq.last_logits)))
@@ -224,14 +263,10 @@ class ServingLoop:
         if self.engine.model.device.type == "cuda":
             torch.cuda.synchronize()
 
-    @staticmethod
-    def _finished(a: _Active) -> bool:
-        return a.prefilled and len(a.tokens) + 1 >= a.request.output_tokens
-
-    def _outcome(self, a: _Active, arrival_s: float, finish_s: float) -> Outcome:
+    def _outcome(self, a: _Active, finish_s: float) -> Outcome:
         bs, seq = self.engine.block_size, a.seq
         return Outcome(
-            arrival_s,
+            self.arrivals_s[a.index],
             a.first_token_s,
             finish_s,
             len(a.request.prompt),
