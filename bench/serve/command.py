@@ -21,7 +21,14 @@ import torch
 
 from kvtier.bench.replay.trace import load_trace
 from kvtier.bench.replay.workloads import WORKLOADS
-from kvtier.bench.serve.arms import ARMS, ServeSetup, engine_capacity, run_arms, size_tiers
+from kvtier.bench.serve.arms import (
+    ARMS,
+    ServeSetup,
+    Sizes,
+    engine_capacity,
+    run_arms,
+    size_tiers,
+)
 from kvtier.bench.serve.clock import CLOCKS
 from kvtier.bench.serve.plot import plot_ttft_cdf
 from kvtier.bench.serve.report import compare, print_text, ttfts_ms
@@ -123,7 +130,7 @@ def load_requests(args: argparse.Namespace, block_tokens: int, vocab: int) -> li
 
 
 def time_scale(
-    args: argparse.Namespace, setup: ServeSetup, sizes, requests: list[ServeRequest]
+    args: argparse.Namespace, setup: ServeSetup, sizes: Sizes, requests: list[ServeRequest]
 ) -> tuple[float, float | None]:
     """The factor on trace times, and the engine-only capacity it came from (if measured)."""
     if args.time_scale is not None:
