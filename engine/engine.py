@@ -4,14 +4,18 @@ A prompt is hashed in blocks, its longest cached prefix is taken from whichever 
 (``PrefixCache.match`` then ``claim``), the rest is prefilled in chunks, and the prompt's blocks
 are named by their hashes so later prompts find them. Decode is greedy, one token a step.
 Finishing frees the sequence's blocks tail first, so its unique tail is evicted before the
-prefix it may share.
+prefix it may share. A serving loop interleaves requests with ``begin``, ``prefill_chunk`` and
+``decode_batch``: one chunk of one prompt at a time, and one greedy token for many sequences in
+one forward pass.
 
 Bit-exactness rests on three rules. Chunks start at multiples of ``chunk_blocks`` blocks
 counted from position 0, so a given block is always computed in a chunk of the same shape.
 A cached prefix is used only up to a chunk boundary, so the suffix is computed in exactly the
 chunks a full recompute would use. And only blocks computed in a full prefill chunk are
 cached: a block from a shorter last chunk or from decode steps (one-row matmuls) may differ
-in its last bits from the same tokens prefilled in a full chunk.
+in its last bits from the same tokens prefilled in a full chunk. A batched decode pads its
+rows to a height the caller fixes, since a matmul's rows may round differently with the number
+of rows: a sequence's tokens then never depend on which others share its step.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class SequenceState:
     host_hit_blocks: int = 0
     disk_hit_blocks: int = 0
     last_logits: torch.Tensor | None = None
+    num_computed: int = 0
+    """Prompt tokens whose KV is in place: the cached prefix, then each chunk computed."""
 
 
 @dataclass(slots=True)
@@ -87,6 +93,18 @@ class Engine:
         The returned state holds its blocks (give them back with ``finish``) and the logits
         of the token after the prompt in ``last_logits``.
         """
+        seq = self.begin(prompt)
+        done = False
+        while not done:
+            done = self.prefill_chunk(seq)
+        return seq
+
+    def begin(self, prompt: Sequence[int]) -> SequenceState:
+        """Takes the cached prefix and the blocks for the rest of the prompt; computes nothing.
+
+        ``prefill_chunk`` then computes the rest one chunk at a time. Raises ``RuntimeError``
+        (holding nothing) if the pool lacks the blocks.
+        """
         n = len(prompt)
         if n == 0:
             raise ValueError("empty prompt")
@@ -110,15 +128,30 @@ class Engine:
                 f"prompt needs {need} more blocks, the pool has {pool.num_free} free"
             )
         seq = SequenceState(list(prompt), n, hashes, blocks, cached_tokens=keep * bs)
+        seq.num_computed = seq.cached_tokens
         seq.gpu_hit_blocks = min(claimed.gpu_hits, keep)
         seq.host_hit_blocks = min(claimed.host_hits, keep - seq.gpu_hit_blocks)
         seq.disk_hit_blocks = keep - seq.gpu_hit_blocks - seq.host_hit_blocks
         self._add_blocks(seq, need)
-        hidden = None
-        for start in range(seq.cached_tokens, n, self.chunk_tokens):
-            hidden = self._forward(seq, start, min(start + self.chunk_tokens, n))
-        stable = n // self.chunk_tokens * self.chunk_blocks
-        pool.cache_full_blocks(blocks[:stable], hashes[:stable])
+        return seq
+
+    def prefill_chunk(self, seq: SequenceState) -> bool:
+        """Computes the prompt's next chunk and names its blocks if it is a full chunk.
+
+        Returns True once the whole prompt is in place; ``last_logits`` is then set.
+        """
+        n, bs = seq.num_prompt_tokens, self.block_size
+        start = seq.num_computed
+        if start >= n:
+            raise ValueError(f"the prompt's {n} tokens are already prefilled")
+        end = min(start + self.chunk_tokens, n)
+        hidden = self._forward(seq, start, end)
+        seq.num_computed = end
+        if end - start == self.chunk_tokens:
+            first, last = start // bs, end // bs
+            self.stack.pool.cache_full_blocks(seq.blocks[first:last], seq.hashes[first:last])
+        if end < n:
+            return False
         seq.last_logits = self.model.logits(hidden[-1:])[0]
         logger.debug(
             "prefill of %d tokens: %d cached (gpu %d, host %d, disk %d blocks)",
@@ -128,7 +161,7 @@ class Engine:
             seq.host_hit_blocks,
             seq.disk_hit_blocks,
         )
-        return seq
+        return True
 
     def decode(self, seq: SequenceState) -> int:
         """Appends the greedy next token and computes the logits after it; returns the token."""
@@ -140,6 +173,39 @@ class Engine:
         hidden = self._forward(seq, pos, pos + 1)
         seq.last_logits = self.model.logits(hidden)[0]
         return token
+
+    def decode_batch(self, seqs: Sequence[SequenceState], rows: int | None = None) -> list[int]:
+        """``decode`` for several sequences in one forward pass; returns each one's token.
+
+        The batch is padded with idle rows to ``rows`` (default: no padding), so that with a
+        fixed ``rows`` each sequence's bits are those it would get in any other batch.
+        """
+        height = len(seqs) if rows is None else rows
+        if not seqs or height < len(seqs):
+            raise ValueError(f"{len(seqs)} sequences do not fit a batch of {height} rows")
+        tokens: list[int] = []
+        positions: list[int] = []
+        for seq in seqs:
+            token = int(torch.argmax(seq.last_logits))
+            seq.token_ids.append(token)
+            pos = len(seq.token_ids) - 1
+            if pos // self.block_size >= len(seq.blocks):
+                self._add_blocks(seq, 1)
+            tokens.append(token)
+            positions.append(pos)
+        device = self.model.device
+        pad = [0] * (height - len(seqs))
+        ids = torch.tensor(tokens + pad, dtype=torch.long, device=device)
+        pos_t = torch.tensor(positions + pad, dtype=torch.long, device=device)
+        tables = [
+            torch.tensor([b.block_id for b in seq.blocks], dtype=torch.long, device=device)
+            for seq in seqs
+        ]
+        hidden = self.model.forward(ids, pos_t, self.kv.decode_attend_fn(tables, positions))
+        logits = self.model.logits(hidden)
+        for i, seq in enumerate(seqs):
+            seq.last_logits = logits[i]
+        return tokens
 
     def finish(self, seq: SequenceState) -> None:
         """Gives the sequence's blocks back, tail first; the cached ones stay findable."""

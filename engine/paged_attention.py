@@ -70,9 +70,18 @@ class PagedKV:
         v: torch.Tensor,
     ) -> None:
         """Stores rows ``k``, ``v`` (``[T, kv_heads, d]``) at their tokens' positions."""
-        bs, d = self.layout.block_size, self.layout.head_size
-        blocks = block_table.index_select(0, positions // bs)
-        offsets = positions % bs
+        bs = self.layout.block_size
+        self._write_rows(layer, block_table.index_select(0, positions // bs), positions % bs, k, v)
+
+    def _write_rows(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        d = self.layout.head_size
         cache = self.caches[layer]
         cache[blocks, :, offsets, :d] = k
         cache[blocks, :, offsets, d:] = v
@@ -95,5 +104,34 @@ class PagedKV:
             self.write(layer, block_table, positions, k, v)
             keys, values = self.read(layer, block_table, end)
             return causal_attention(q, keys, values, start, self.windows[layer])
+
+        return attend
+
+    def decode_attend_fn(
+        self, block_tables: Sequence[torch.Tensor], positions: Sequence[int]
+    ) -> AttendFn:
+        """An ``AttendFn`` for one new token of each of several sequences.
+
+        Row ``i`` is the token at ``positions[i]`` of the sequence whose blocks are
+        ``block_tables[i]``; rows beyond them pad the batch: they write nothing and attend to
+        nothing (their output is zero).
+        """
+        bs = self.layout.block_size
+        n = len(block_tables)
+        device = self.caches[0].device
+        blocks = torch.cat(
+            [table[p // bs : p // bs + 1] for table, p in zip(block_tables, positions, strict=True)]
+        )
+        offsets = torch.tensor([p % bs for p in positions], dtype=torch.long, device=device)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self._write_rows(layer, blocks, offsets, k[:n], v[:n])
+            out = torch.zeros_like(q)
+            for i, (table, pos) in enumerate(zip(block_tables, positions, strict=True)):
+                keys, values = self.read(layer, table, pos + 1)
+                out[i : i + 1] = causal_attention(
+                    q[i : i + 1], keys, values, pos, self.windows[layer]
+                )
+            return out
 
         return attend

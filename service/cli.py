@@ -22,6 +22,7 @@ BENCHMARKS = {
     "replay": ("kvtier.bench.replay.command", "replay a request trace through the tier stack"),
     "gpu": ("kvtier.bench.gpu.command", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
     "remote": ("kvtier.bench.remote", "remote tier put/get beside raw pipelined SET/GET"),
+    "serve": ("kvtier.bench.serve.command", "a timed trace served with and without kvtier"),
 }
 
 

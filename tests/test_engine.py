@@ -171,3 +171,42 @@ def test_rejects_mismatched_layout(model: Decoder):
     stack = build_stack(ModelConfig.tiny(seed=1, head_size=8).kv_layout(BLOCK), 4)
     with pytest.raises(ValueError, match="layout"):
         Engine(model, stack)
+
+
+def test_prefill_in_chunks_of_interleaved_requests_matches_prefill(model: Decoder):
+    tokens = [prompt(6, 5 * BLOCK + 3), prompt(7, 3 * BLOCK + 9)]
+    whole = [make_engine(model, chunk_blocks=2).prefill(t).last_logits for t in tokens]
+    engine = make_engine(model, chunk_blocks=2)
+    seqs = [engine.begin(t) for t in tokens]
+    done = [False, False]
+    while not all(done):
+        for i, seq in enumerate(seqs):
+            if not done[i]:
+                done[i] = engine.prefill_chunk(seq)
+    for seq, logits in zip(seqs, whole, strict=True):
+        assert torch.equal(seq.last_logits, logits)
+    assert len(engine.stack.pool.cached) == 4 + 2  # blocks of full chunks only
+    with pytest.raises(ValueError, match="already prefilled"):
+        engine.prefill_chunk(seqs[0])
+
+
+def test_decode_batch_of_fixed_height_is_independent_of_its_neighbours(model: Decoder):
+    def decode(seeds: list[int], rows: int, steps: int = 6) -> tuple[list[int], torch.Tensor]:
+        engine = make_engine(model, num_blocks=64)
+        seqs = [engine.prefill(prompt(seed, 20 + seed)) for seed in seeds]
+        tokens = [engine.decode_batch(seqs, rows=rows)[0] for _ in range(steps)]
+        return tokens, seqs[0].last_logits
+
+    alone_tokens, alone_logits = decode([8], rows=4)
+    crowd_tokens, crowd_logits = decode([8, 9, 10], rows=4)
+    assert crowd_tokens == alone_tokens
+    assert torch.equal(crowd_logits, alone_logits)
+    dense = dense_logits(model, prompt(8, 28) + alone_tokens[:-1])
+    assert alone_tokens == dense[27:].argmax(-1).tolist()
+
+
+def test_decode_batch_rejects_more_sequences_than_rows(model: Decoder):
+    engine = make_engine(model)
+    seqs = [engine.prefill(prompt(seed, 5)) for seed in (11, 12)]
+    with pytest.raises(ValueError, match="do not fit"):
+        engine.decode_batch(seqs, rows=1)
