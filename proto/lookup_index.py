@@ -53,9 +53,13 @@ def _buckets(keys: np.ndarray, capacity: int) -> np.ndarray:
     return keys.view(np.uint64)[::2] & np.uint64(capacity - 1)
 
 
-def index_path(arena_path: str | os.PathLike[str]) -> Path:
-    """The index of the layout whose arena is ``arena_path``: a file beside it."""
-    return Path(f"{os.fspath(arena_path)}.index")
+def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
+    """The index of one layout of the daemon listening on ``socket``: a file beside the socket,
+    in the directory only the daemon's user may enter, so a client of that daemon on this host
+    finds it and nobody else reads it. (Not beside the arena: it must not take the room a
+    restarted daemon's new arena needs.)"""
+    socket = os.path.abspath(os.fspath(socket))
+    return Path(f"{socket}.{layout_signature.hex()}.index")
 
 
 class _Table:
@@ -80,13 +84,15 @@ class LookupIndexWriter:
         self._generation = 0
         self._slots: dict[bytes, int] = {}
         self._map: mmap.mmap | None = None
+        for left in self.path.parent.glob(f"{self.path.name}.*"):
+            left.unlink(missing_ok=True)  # a table a dead daemon was building
         self._build(_capacity_for(blocks), {})
 
     def _build(self, capacity: int, live: dict[bytes, int]) -> None:
         """Writes a table holding ``live`` (hash → bits) into a new file and publishes it."""
         self._generation += 1
         size = HEADER_BYTES + capacity * RECORD_BYTES
-        fresh = self.path.with_name(f"{self.path.name}.{self._generation}")
+        fresh = self.path.with_name(f"{self.path.name}.{os.getpid()}.{self._generation}")
         fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)

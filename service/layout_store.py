@@ -7,7 +7,9 @@ disk directory, so slots are one size per arena and never fragment, and each lay
 own budget. Commits are write-behind: a committed block is readable in the host tier at once,
 and the host tier writes it to the disk tier from its (pinned) slot in the disk writer's next
 batch — never on the committing client's path; likewise to the remote tier, whose hits are
-promoted into host slots (and the disk tier) before a client reads them.
+promoted into host slots (and the disk tier) before a client reads them. What the host and
+disk tiers hold is published in the layout's lookup index (``proto.lookup_index``), beside the
+arena, for clients to probe without a call.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from kvtier.proto.lookup_index import DISK as INDEX_DISK
+from kvtier.proto.lookup_index import HOST as INDEX_HOST
+from kvtier.proto.lookup_index import LookupIndexWriter
 from kvtier.service.arena import Arena
-from kvtier.service.events import EventHub
+from kvtier.service.events import STORED, EventHub
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.hashing import HASH_VERSION
@@ -33,6 +38,8 @@ from kvtier.tiers.remote.tier import RemoteTier
 log = logging.getLogger(__name__)
 
 HOST, DISK, REMOTE = "host", "disk", "remote"
+INDEX_SCAN_BATCH = 16384
+"""Disk entries read per transaction while publishing a reopened disk tier's blocks."""
 
 
 class LayoutStore:
@@ -51,7 +58,10 @@ class LayoutStore:
         flush_interval_s: float = 1.0,
         remote: RemoteConfig | None = None,
         admission: str = DEFAULT_POLICY,
+        index: Path | None = None,
     ):
+        """``index``: where to publish the lookup index (``proto.lookup_index``); None: not
+        published."""
         self.signature = signature
         self.block_bytes = block_bytes
         self.arena = arena
@@ -71,6 +81,16 @@ class LayoutStore:
                 counters=self.counters[REMOTE],
                 on_event=self._remote_event,
             )
+        self.index = (
+            LookupIndexWriter(
+                index,
+                arena.size // block_bytes + self.counters[DISK].capacity_blocks,
+                has_remote=self.remote is not None,
+            )
+            if index is not None
+            else None
+        )
+        self._index_disk()
         self.host = HostTier(
             block_bytes,
             arena.size,
@@ -174,11 +194,13 @@ class LayoutStore:
         return [(DISK, h, m) for h, m in self.disk.scan(after, limit)]
 
     def close(self) -> None:
-        """Flushes and closes the disk and remote tiers, then the arena."""
+        """Flushes and closes the disk and remote tiers, then the index and the arena."""
         if self.disk is not None:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+        if self.index is not None:
+            self.index.close()
         self.arena.close()
 
     # ---- internals ----
@@ -220,11 +242,32 @@ class LayoutStore:
     def hex(self) -> str:
         return self.signature.hex()
 
+    def _index_disk(self) -> None:
+        """Publishes what a reopened disk tier holds (it announces nothing as it recovers)."""
+        after = None
+        while self.disk is not None and self.index is not None:
+            batch = self.disk.scan(after, INDEX_SCAN_BATCH)
+            if not batch:
+                return
+            for block_hash, _ in batch:
+                self.index.set(block_hash, INDEX_DISK)
+            after = batch[-1][0]
+
     def _host_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
+        self._indexed(kind, block_hash, INDEX_HOST)
         self.events.emit(kind, HOST, block_hash, meta, self.signature)
 
     def _disk_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
+        self._indexed(kind, block_hash, INDEX_DISK)
         self.events.emit(kind, DISK, block_hash, meta, self.signature)
+
+    def _indexed(self, kind: str, block_hash: bytes, tier: int) -> None:
+        if self.index is None:
+            return
+        if kind == STORED:
+            self.index.set(block_hash, tier)
+        else:
+            self.index.clear(block_hash, tier)
 
     def _remote_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
         self.events.emit(kind, REMOTE, block_hash, meta, self.signature)

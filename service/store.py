@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 from kvtier.proto.contract import MIN_BLOCK_BYTES
+from kvtier.proto.lookup_index import index_path
 from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.events import EventHub
@@ -120,6 +121,7 @@ class BlockStore:
                 flush_interval_s=config.flush_interval_s,
                 remote=config.remote_config(),
                 admission=config.admission,
+                index=index_path(config.socket_path, signature),
             )
         except BaseException:
             arena.close()

@@ -22,7 +22,7 @@ def daemon():
 
 
 def test_a_frozen_daemon_costs_one_deadline_then_calls_miss_at_once(daemon):
-    client = daemon.client(timeout_s=TIMEOUT_S)
+    client = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("frozen", i) for i in range(4)]
     assert store(client, hashes) == hashes
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -38,6 +38,29 @@ def test_a_frozen_daemon_costs_one_deadline_then_calls_miss_at_once(daemon):
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     assert load(client, hashes) == hashes
     assert client.sessions_opened == 1
+    client.close()
+
+
+def test_a_frozen_daemon_still_answers_lookups_from_its_index_until_a_call_trips(daemon):
+    """The index is memory: a frozen daemon's probes still answer (a hint, which the acquire
+    confirms); the first call waits out its deadline and opens the breaker, and from then on
+    lookups miss at once like every call."""
+    client = daemon.client(timeout_s=TIMEOUT_S)
+    hashes = [block_hash("frozen-index", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    probed = client._lookups.probed
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert client.lookup(hashes).host == 4
+        assert client._lookups.probed == probed + 1
+        assert client.acquire(hashes) == []
+        assert client.breaker.is_open
+        assert client.lookup(hashes).total == 0
+        assert client.breaker.trips == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: not client.breaker.is_open, "the breaker to close")
+    assert load(client, hashes) == hashes
     client.close()
 
 
@@ -163,8 +186,8 @@ def test_a_new_session_closes_the_breaker(daemon):
 def test_the_clients_of_one_daemon_in_a_process_share_one_deadline(daemon):
     """vLLM's scheduler and worker each hold a client: a frozen daemon costs the engine one
     deadline, not one per client; a client that closes leaves the breaker to the others."""
-    first = daemon.client(timeout_s=TIMEOUT_S)
-    second = daemon.client(timeout_s=TIMEOUT_S)
+    first = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
+    second = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("shared", i) for i in range(4)]
     assert store(first, hashes) == hashes
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -184,8 +207,8 @@ def test_a_trip_ends_the_lookups_still_waiting(daemon):
     """A lookup sent to a frozen daemon is a miss as soon as any call of the process finds
     the daemon not answering, not at its own deadline: vLLM's scheduler keeps a request
     waiting until its lookup is answered."""
-    patient = daemon.client(timeout_s=600)
-    other = daemon.client(timeout_s=TIMEOUT_S)
+    patient = daemon.client(timeout_s=600, lookup_index=False)
+    other = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("waiting", i) for i in range(4)]
     assert store(patient, hashes) == hashes
     daemon.proc.send_signal(signal.SIGSTOP)

@@ -17,6 +17,8 @@ from kvtier.proto.lookup_index import (
     index_path,
 )
 
+from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, store, wait_until
+
 
 def h(i: int) -> bytes:
     return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
@@ -70,8 +72,9 @@ def test_a_probe_of_a_torn_or_foreign_file_never_claims_a_hit(tmp_path):
     assert LookupIndexReader(tmp_path / "missing").probe([h(1)]) is None
 
 
-def test_the_index_lives_beside_its_arena():
-    assert str(index_path("/dev/shm/kvtier-default-abc")) == "/dev/shm/kvtier-default-abc.index"
+def test_the_index_lives_beside_the_daemons_socket():
+    path = index_path("/run/user/1/kvtier/default.sock", bytes(range(16)))
+    assert str(path) == f"/run/user/1/kvtier/default.sock.{bytes(range(16)).hex()}.index"
 
 
 def test_a_batch_probe_equals_probes_one_by_one(tmp_path):
@@ -87,3 +90,32 @@ def test_a_batch_probe_equals_probes_one_by_one(tmp_path):
         assert sum(1 for b in batch if b) == 3000
     finally:
         writer.close()
+
+
+def test_a_daemon_publishes_its_host_and_disk_tiers_and_a_restart_finds_the_disk_again():
+    """A real daemon: commits appear as host bits, evictions leave the disk bit; a restarted
+    daemon publishes the disk tier it reopened; a stopped one retires its index."""
+    daemon = Daemon(host_bytes=8 * BLOCK_BYTES, disk_bytes=256 * BLOCK_BYTES).start()
+    try:
+        client = daemon.client()
+        first = [block_hash("indexed", i) for i in range(4)]
+        assert store(client, first) == first
+        path = index_path(daemon.socket, SIGNATURE)
+        reader = LookupIndexReader(path)
+        wait_until(lambda: reader.probe(first).tolist() == [HOST | DISK] * 4, "written down")
+        flood = [block_hash("flood", i) for i in range(16)]
+        for i in range(0, 16, 4):
+            store(client, flood[i : i + 4])
+            client.settle(10)
+        wait_until(lambda: reader.probe(first).tolist() == [DISK] * 4, "evicted from host")
+        client.close()
+        assert daemon.stop() == 0, daemon.log.read_text()
+        assert reader.probe(first) is None  # retired with its daemon
+        daemon.start()
+        client = daemon.client()
+        reader = LookupIndexReader(index_path(daemon.socket, SIGNATURE))
+        assert reader.probe([*first, block_hash("never", 0)]).tolist() == [DISK] * 4 + [0]
+        client.close()
+    finally:
+        daemon.stop()
+        daemon.cleanup()

@@ -18,6 +18,9 @@ import os
 import threading
 from collections.abc import Callable
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 log = logging.getLogger(__name__)
 
 _FIRST_PROBE_S = 0.05
@@ -148,3 +151,17 @@ def leave_breaker(
             breaker.stop()
             if _shared.get(target) is breaker:
                 del _shared[target]
+
+
+def health_probe(channel: grpc.Channel, timeout_s: float, metadata) -> Callable[[], bool]:
+    """A breaker's probe: whether the daemon answers its standard health check now."""
+    check = health_pb2_grpc.HealthStub(channel).Check
+
+    def probe() -> bool:
+        try:
+            reply = check(health_pb2.HealthCheckRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    return probe

@@ -26,11 +26,11 @@ from concurrent.futures import Future
 from functools import partial
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.client.arena import ArenaView, PageLock, PageUnlock
-from kvtier.connector.client.circuit import leave_breaker, shared_breaker
+from kvtier.connector.client.circuit import health_probe, leave_breaker, shared_breaker
 from kvtier.connector.client.later import LaterCalls
+from kvtier.connector.client.lookups import LookupCalls
 from kvtier.connector.client.session import SessionKeeper, SlotLedger
 from kvtier.connector.client.tools import ToolCalls
 from kvtier.connector.client.wire import meta_chunks, pack_hashes
@@ -65,7 +65,8 @@ class DaemonClient(ToolCalls):
     chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
-    handed over to another's acquire.
+    handed over to another's acquire. ``lookup_index=False`` asks every lookup of the daemon
+    rather than probing its shared-memory index first (``lookups``).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class DaemonClient(ToolCalls):
         chunk_bytes: int = 256 << 20,
         map_arena: bool = True,
         engine_group: str = "",
+        lookup_index: bool = True,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -102,11 +104,10 @@ class DaemonClient(ToolCalls):
         self.slab = self._arena.slab
         self._channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.KvTierStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._probe = health_probe(self._channel, timeout_s, self._metadata)
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
         self._call_ids = itertools.count(1)
-        self._lookups: set[grpc.Future] = set()  # Lookup calls not answered yet
         self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
         local = (
@@ -133,6 +134,17 @@ class DaemonClient(ToolCalls):
             metadata=self._metadata,
             timeout_s=timeout_s,
             on_open=self.breaker.close,
+        )
+        self._lookups = LookupCalls(
+            self._stub,
+            self._keeper,
+            self._lock,
+            self._failed,
+            metadata=self._metadata,
+            timeout_s=timeout_s,
+            index_of=(self.target.removeprefix("unix:"), self.layout_signature)
+            if lookup_index and self.target.startswith("unix:")
+            else None,
         )
         self._later = LaterCalls(
             self._stub,
@@ -206,13 +218,12 @@ class DaemonClient(ToolCalls):
 
     def lookup_async(self, hashes: Sequence[BlockHash]) -> Future[LowerHits]:
         """Starts a Lookup without waiting; the future never raises (trouble: a miss)."""
-        result: Future[LowerHits] = Future()
         session = self._usable(bool(hashes))
         if session is None or not hashes:
+            result: Future[LowerHits] = Future()
             result.set_result(LowerHits())
             return result
-        self._lookup_from(session, list(hashes), 0, LowerHits(), result)
-        return result
+        return self._lookups.ask(session, list(hashes))
 
     def reserve(
         self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None
@@ -347,44 +358,8 @@ class DaemonClient(ToolCalls):
             return None
         return session
 
-    def _lookup_from(
-        self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
-    ) -> None:
-        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
-        chunk = hashes[start : start + self._keeper.limits.max_hashes]
-        request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
-        call = self._stub.Lookup.future(request, timeout=self.timeout_s, metadata=self._metadata)
-        with self._lock:
-            self._lookups.add(call)
-
-        def answered(call: grpc.Future) -> None:
-            with self._lock:
-                self._lookups.discard(call)
-            try:
-                reply = call.result()
-            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
-                if isinstance(exc, grpc.RpcError):
-                    self._failed("Lookup", exc, session)
-                result.set_result(hits)
-                return
-            hits.host += reply.host
-            hits.disk += reply.disk
-            hits.remote += reply.remote
-            end = start + len(chunk)
-            if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
-                result.set_result(hits)
-            else:
-                self._lookup_from(session, hashes, end, hits, result)
-
-        call.add_done_callback(answered)
-
     def _end_lookups(self) -> None:
-        """The breaker opened: lookups still waiting are misses now, not at their deadline
-        (the requests behind them would wait it out)."""
-        with self._lock:
-            calls = list(self._lookups)
-        for call in calls:
-            call.cancel()
+        self._lookups.end()
 
     def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None:
         """Hands slots back: to the daemon if they belong to the live session, else only
@@ -417,13 +392,3 @@ class DaemonClient(ToolCalls):
         elif repair is not None and session is not None:
             repair()
         log.debug("kvtier %s failed (%r); treated as a miss", method, code)
-
-    def _probe(self) -> bool:
-        """Whether the daemon answers its health check now (closes the breaker)."""
-        try:
-            reply = self._health.Check(
-                health_pb2.HealthCheckRequest(), timeout=self.timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError:
-            return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,130 @@
+"""``DaemonClient``'s lookups: a memory read of the daemon's lookup index where it can, a
+``Lookup`` call where it must.
+
+The index (``proto.lookup_index``) says which hashes the layout's host and disk tiers hold; a
+probe answers a lookup in microseconds without waking the daemon. Its answer is a hint, as a
+call's is: the acquire that follows names hashes and the daemon resolves them again. The call
+is still made where the probe cannot answer: no index (a client on another host, a daemon not
+publishing one), or a miss where a remote tier lies below (the index does not cover it). Where
+the daemon holds a lookup's host hits for the acquire (``lookup_hold_s``), a probe that found
+host hits also sends the call, without waiting for it, so that those hits are held as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+
+from kvtier.connector.client.session import SessionKeeper
+from kvtier.connector.client.wire import pack_hashes
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.proto.lookup_index import HOST, LookupIndexReader, index_path
+from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.lower import LowerHits
+
+Failed = Callable[[str, grpc.RpcError, str | None], None]
+
+
+class LookupCalls:
+    def __init__(
+        self,
+        stub: pb_grpc.KvTierStub,
+        keeper: SessionKeeper,
+        lock: threading.Lock,
+        failed: Failed,
+        *,
+        metadata,
+        timeout_s: float,
+        index_of: tuple[str, bytes] | None,
+    ):
+        """``failed(method, error, session)`` counts a failed call and opens the breaker;
+        ``index_of`` is the daemon's socket and the layout signature whose index to probe
+        (None: a daemon on another host, or probing not wanted)."""
+        self._stub = stub
+        self._keeper = keeper
+        self._lock = lock
+        self._failed = failed
+        self._metadata = metadata
+        self._timeout_s = timeout_s
+        self._use_index = index_of is not None
+        self._socket, self._signature = index_of or ("", b"")
+        self._calls: set[grpc.Future] = set()  # Lookup calls not answered yet
+        self._index: LookupIndexReader | None = None
+        self._index_session: str | None = None
+        self.probed = 0
+        """Lookups the index answered without a call."""
+
+    def ask(self, session: str, hashes: list[BlockHash]) -> Future[LowerHits]:
+        """The prefix of ``hashes`` the daemon's tiers hold; the future never raises."""
+        result: Future[LowerHits] = Future()
+        hits = self._probe(session, hashes)
+        if hits is None:
+            self._call(session, hashes, 0, LowerHits(), result)
+            return result
+        self.probed += 1
+        if hits.host and self._keeper.limits.lookup_hold_s > 0:
+            self._call(session, hashes[: hits.host + hits.disk], 0, LowerHits(), Future())
+        result.set_result(hits)
+        return result
+
+    def end(self) -> None:
+        """The breaker opened: lookups still waiting are misses now, not at their deadline
+        (the requests behind them would wait it out)."""
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+
+    def _probe(self, session: str, hashes: list[BlockHash]) -> LowerHits | None:
+        """The index's answer, or None where only a call can answer."""
+        if not self._use_index:
+            return None
+        if self._index_session != session:
+            # a new session may be a new daemon with a new index at the same path
+            self._index = LookupIndexReader(index_path(self._socket, self._signature))
+            self._index_session = session
+        bits = self._index.probe(hashes) if self._index is not None else None
+        if bits is None:
+            return None
+        misses = np.flatnonzero(bits == 0)
+        held = int(misses[0]) if len(misses) else len(hashes)
+        if held < len(hashes) and self._index.has_remote:
+            return None
+        host = int(np.count_nonzero(bits[:held] & HOST))
+        return LowerHits(host=host, disk=held - host)
+
+    def _call(
+        self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
+    ) -> None:
+        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
+        chunk = hashes[start : start + self._keeper.limits.max_hashes]
+        request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
+        call = self._stub.Lookup.future(request, timeout=self._timeout_s, metadata=self._metadata)
+        with self._lock:
+            self._calls.add(call)
+
+        def answered(call: grpc.Future) -> None:
+            with self._lock:
+                self._calls.discard(call)
+            try:
+                reply = call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    self._failed("Lookup", exc, session)
+                result.set_result(hits)
+                return
+            hits.host += reply.host
+            hits.disk += reply.disk
+            hits.remote += reply.remote
+            end = start + len(chunk)
+            if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
+                result.set_result(hits)
+            else:
+                self._call(session, hashes, end, hits, result)
+
+        call.add_done_callback(answered)
