@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connector.vllm.groups import KVGroup
 from kvtier.connector.vllm.hits import Chain
 from kvtier.connector.vllm.lookup import Lookup
 from kvtier.connector.vllm.metadata import LoadSpec
@@ -15,14 +14,15 @@ from kvtier.tiers.hashing import BlockHash
 
 
 class HitPlanning:
-    """Needs ``SchedulerSide``'s config, groups, ``align``, seeds, clients, request table,
-    lookups, loads and stats."""
+    """Needs ``SchedulerSide``'s config, groups, ``align``, seeds, adapter keys, clients,
+    request table, lookups, loads and stats."""
 
     def _state(self, request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
+            lora = self._adapters.key(request.lora_request)
             hashes = [
-                RequestHashes(request, seeds, group.block_size, self.hash_block_size)
+                RequestHashes(request, seeds, group.block_size, self.hash_block_size, lora)
                 for group, seeds in zip(self.groups, self._seeds, strict=True)
             ]
             state = RequestState.new(request, hashes)
@@ -53,9 +53,13 @@ class HitPlanning:
         ):
             self._lookups.discard(lookup)
             chains = [
-                Chain(group, shard)
+                Chain(group, shard, layout.signature)
                 for group, hashes in zip(self.groups, state.hashes, strict=True)
-                for shard in hashes.per_shard(0, end // group.block_size)
+                for shard, layout in zip(
+                    hashes.per_shard(0, end // group.block_size),
+                    group.shard_layouts(),
+                    strict=True,
+                )
             ]
             lookup = Lookup.ask(self._ask, chains, start, end, self.align)
             self._lookups.add(lookup)
@@ -63,8 +67,8 @@ class HitPlanning:
             self.stats.add("lookup_tokens", end - start)
         return lookup
 
-    def _ask(self, group: KVGroup, hashes: list[BlockHash]):
-        return self.clients[group.layout.signature].lookup_async(hashes)
+    def _ask(self, chain: Chain, hashes: list[BlockHash]):
+        return self.clients[chain.signature].lookup_async(hashes)
 
     @property
     def _min_hit_tokens(self) -> int:
