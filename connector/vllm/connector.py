@@ -106,9 +106,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         model = vllm_config.model_config
         if model is not None and model.use_mla and current_platform.is_cpu():
-            # vLLM's CPU MLA backend declares no layouts (so vLLM would take ours) but writes
-            # a layer's cache through `.view(-1, latent)`, which a block-outermost layout's
-            # strided per-layer view refuses: leave it vLLM's default, layer by layer.
+            # vLLM's CPU MLA backends (the reference one and the AMX one) declare no layouts,
+            # so vLLM would take ours, but address a layer's cache as one run of rows (through
+            # `.view(-1, latent)`, or row `block * block_size + offset` in the AMX kernels),
+            # which a block-outermost layout's strided per-layer view breaks: leave it vLLM's
+            # default, layer by layer.
             return None
         return REQUIRED_KV_CACHE_LAYOUT
 
