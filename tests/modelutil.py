@@ -1,9 +1,13 @@
 """vLLM 0.33's real Scheduler over any model's KV cache groups, with KVTierConnector on every
-tensor-parallel rank and a fake forward that knows each layer's attention window.
+tensor-parallel rank of every pipeline stage and a fake forward that knows each layer's
+attention window.
 
 The model is a dict of vLLM per-layer ``KVCacheSpec``s; vLLM's own ``get_kv_cache_groups``
 makes its KV cache groups (one per layer kind and repetition, as for gpt-oss or Gemma 3) and
 ``allocate_kv_cache`` its tensors, in the resolved KV cache layout (kernel blocks included).
+Under pipeline parallelism each stage holds the layers vLLM's ``get_pp_indices`` gives it and
+its own KV cache config, and the scheduler gets the first stage's, as vLLM's
+``generate_scheduler_kv_cache_config`` picks it.
 
 The fake forward writes, for every token it computes and every layer, bytes that depend only
 on the token prefix, the layer and the tensor-parallel shard; before it writes, it checks
@@ -32,9 +36,13 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.utils import get_pp_indices
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -58,6 +66,7 @@ class Model:
     name: str
     layers: dict[str, object]
     tp: int = 1
+    pp: int = 1
     kernel_block_size: int | None = None
     """Kernel block size every group's attention reads (None: the cache block)."""
     kv_layout: str = "BLHNC"
@@ -66,6 +75,11 @@ class Model:
     @property
     def block_size(self) -> int:
         return next(iter(self.layers.values())).block_size
+
+    def stage_layers(self, stage: int) -> dict[str, object]:
+        """The layers pipeline ``stage`` holds (consecutive, as vLLM splits decoder layers)."""
+        start, end = get_pp_indices(len(self.layers), stage, self.pp)
+        return dict(list(self.layers.items())[start:end])
 
 
 def window_start(spec, position: int) -> int:
@@ -98,11 +112,13 @@ def prefix_bytes(tokens: list[int], layer: int, shard: int, shape: tuple[int, in
 
 @dataclass
 class Rank:
-    """One tensor-parallel rank: its worker connector and its KV tensors."""
+    """One tensor-parallel rank of one pipeline stage: its worker connector and its KV
+    tensors (of its stage's layers)."""
 
     rank: int
     worker: object
     caches: dict[str, torch.Tensor]
+    stage: int = 0
 
 
 @dataclass
@@ -139,22 +155,31 @@ class ModelEngine:
         )
         self.vllm_config.cache_config.block_size = model.block_size
         self.vllm_config.parallel_config.tensor_parallel_size = model.tp
-        groups = get_kv_cache_groups(self.vllm_config, dict(model.layers))
+        self.vllm_config.parallel_config.pipeline_parallel_size = model.pp
+        stages = [model.stage_layers(stage) for stage in range(model.pp)]
+        stage_groups = [get_kv_cache_groups(self.vllm_config, layers) for layers in stages]
         if num_blocks is None:
             # vLLM admits a prompt computed in one step only when every group's blocks for it
             # fit in the one pool the groups share: room for 48 blocks a group.
-            num_blocks = BLOCKS_PER_GROUP * len(groups)
-        # Groups overlay one another: a block is as large as the largest group's pages.
-        block_bytes = max(
-            sum(model.layers[name].page_size_bytes for name in group.layer_names)
-            for group in groups
-        )
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.vllm_config, groups, num_blocks * block_bytes
-        )
+            num_blocks = BLOCKS_PER_GROUP * len(stage_groups[0])
+        configs = []
+        for layers, groups in zip(stages, stage_groups, strict=True):
+            # Groups overlay one another: a block is as large as the largest group's pages.
+            block_bytes = max(
+                sum(layers[name].page_size_bytes for name in group.layer_names) for group in groups
+            )
+            configs.append(
+                get_kv_cache_config_from_groups(self.vllm_config, groups, num_blocks * block_bytes)
+            )
+        self.kv_cache_config = generate_scheduler_kv_cache_config(configs)
         assert self.kv_cache_config.num_blocks == num_blocks
         self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
+        self.group_of = {
+            name: g
+            for groups in stage_groups
+            for g, group in enumerate(groups)
+            for name in group.layer_names
+        }
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
@@ -165,20 +190,20 @@ class ModelEngine:
         layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
         kernels = None
         if model.kernel_block_size is not None:
-            kernels = [model.kernel_block_size] * len(groups)
+            kernels = [model.kernel_block_size] * len(stage_groups[0])
         self.ranks: list[Rank] = []
-        for rank in range(model.tp):
-            with monkeypatch.context() as patch:
-                patch.setattr(connector_module, "_tp_rank", lambda rank=rank: rank)
-                worker = KVConnectorFactory.create_connector(
-                    config=self.vllm_config,
-                    role=KVConnectorRole.WORKER,
-                    kv_cache_config=self.kv_cache_config,
-                )
-            caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout, kernels)
-            worker.register_kv_caches(caches)
-            self.ranks.append(Rank(rank, worker, caches))
-        self.aggregator = KVOutputAggregator(expected_finished_count=model.tp)
+        for stage, config in enumerate(configs):
+            for rank in range(model.tp):
+                with monkeypatch.context() as patch:
+                    patch.setattr(connector_module, "_tp_rank", lambda rank=rank: rank)
+                    patch.setattr(connector_module, "_pp_rank", lambda stage=stage: stage)
+                    worker = KVConnectorFactory.create_connector(
+                        config=self.vllm_config, role=KVConnectorRole.WORKER, kv_cache_config=config
+                    )
+                caches = allocate_kv_cache(config, torch.device("cpu"), layout, kernels)
+                worker.register_kv_caches(caches)
+                self.ranks.append(Rank(rank, worker, caches, stage))
+        self.aggregator = KVOutputAggregator(expected_finished_count=len(self.ranks))
         self.block_tables: dict[str, list[list[int]]] = {}
         self.checked_tokens = 0
         self.stats: dict[str, int] = {}
@@ -299,6 +324,8 @@ class ModelEngine:
         end = len(tokens)
         block = self.model.block_size
         for layer, (name, spec) in enumerate(self.model.layers.items()):
+            if name not in r.caches:
+                continue  # another pipeline stage's layer
             group = self.groups[self.group_of[name]]
             cache = r.caches[name]
             kernel = cache.shape[2]  # tokens per kernel block

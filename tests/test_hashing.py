@@ -42,6 +42,8 @@ def test_same_block_content_at_other_position_differs():
         Namespace("llama-3-8b", b"\x01" * 16, tp_rank=1, tp_world_size=2),
         Namespace("llama-3-8b", b"\x01" * 16, hash_version=2),
         Namespace("llama-3-8b", b"\x01" * 16, group=1),
+        Namespace("llama-3-8b", b"\x01" * 16, layers=(0, 16)),
+        Namespace("llama-3-8b", b"\x01" * 16, fingerprint=b"rope_theta 20000"),
     ],
 )
 def test_namespace_fields_change_every_hash(other):
@@ -62,7 +64,7 @@ def test_salt_enters_the_root_block_only():
 
 def test_lora_and_multimodal_keys():
     tokens = list(range(12))
-    lora = hash_prompt(NS, tokens, 4, ExtraKeys(lora_name="sql-adapter"))
+    lora = hash_prompt(NS, tokens, 4, ExtraKeys(lora="sql-adapter"))
     assert lora[0] != hash_prompt(NS, tokens, 4)[0]
     image_a = ExtraKeys(mm_inputs=(MultiModalInput(offset=5, length=2, content_hash="img-a"),))
     image_b = ExtraKeys(mm_inputs=(MultiModalInput(offset=5, length=2, content_hash="img-b"),))
@@ -99,6 +101,13 @@ def test_deterministic_across_processes():
     assert out.split(",") == [h.hex() for h in here]
 
 
+def test_every_pipeline_stage_has_its_own_seed():
+    """Two stages of an even split have one layout: their layer ranges tell them apart."""
+    seeds = {Namespace("m", b"x" * 16, layers=(first, 8)).seed for first in (0, 8, 16, 24)}
+    assert len(seeds) == 4
+    assert Namespace("m", b"x" * 16, layers=(0, 8)).seed != Namespace("m", b"x" * 16).seed
+
+
 def test_every_kv_cache_group_has_its_own_seed():
     seeds = {Namespace("m", b"x" * 16, group=g).seed for g in range(6)}
     assert len(seeds) == 6
@@ -111,3 +120,5 @@ def test_bad_input():
         Namespace("m", b"x" * 16, tp_rank=2, tp_world_size=2)
     with pytest.raises(ValueError):
         Namespace("m", b"x" * 16, group=-1)
+    with pytest.raises(ValueError):
+        Namespace("m", b"x" * 16, layers=(4, 0))

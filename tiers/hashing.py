@@ -1,12 +1,13 @@
 """Chained 16-byte block hashes.
 
 ``hash(block i) = xxh3_128(hash(block i-1) ‖ token ids as little-endian int32 ‖ extra)``, with
-the root parent a seed derived from the namespace (model, layout signature, tensor-parallel
-shard and world size, KV cache group, hash version). Every input is fixed bytes, so hashes
-agree across processes, hosts and restarts, which is what lets the disk tier be reused after a
-restart.
-``extra`` carries the LoRA name and the multimodal hashes of the inputs a block overlaps on
-every block, and the request's ``cache_salt`` on the root block only.
+the root parent a seed derived from the namespace (model name and fingerprint, layout
+signature, tensor-parallel shard and world size, pipeline stage's layers, KV cache group, hash
+version). Every input is fixed bytes, so hashes agree across processes, hosts and restarts,
+which is what lets the disk tier be reused after a restart.
+``extra`` carries the LoRA adapter's key (its content, where the engine can read it) and the
+multimodal hashes of the inputs a block overlaps on every block, and the request's
+``cache_salt`` on the root block only.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ def check_hash(block_hash: bytes) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """What makes two engines' blocks interchangeable: same model, layout, TP shard and world,
-    and KV cache group.
+    """What makes two engines' blocks interchangeable: same model (name and fingerprint),
+    layout, TP shard and world, pipeline stage's layers, and KV cache group.
 
-    ``tp_rank`` names the shard of the KV a rank holds: ranks holding identical KV (an MLA
-    latent, replicated KV heads) share one, so the block is stored once for all of them.
-    ``group`` tells apart the KV cache groups of a hybrid model, whose blocks may have one
-    layout but hold other layers; it enters the seed only when non-zero, so the blocks of a
-    model with one group keep the names they always had.
+    ``fingerprint`` holds what the model's KV depends on beyond its name (its config, revision,
+    weights, KV scales; the connector computes it). ``tp_rank`` names the shard of the KV a
+    rank holds: ranks holding identical KV (an MLA latent, replicated KV heads) share one, so
+    the block is stored once for all of them. ``layers`` is ``(first, count)``, the decoder
+    layers whose KV the block holds when pipeline parallelism splits them over stages; None:
+    all of them. ``group`` tells apart the KV cache groups of a hybrid model, whose blocks may
+    have one layout but hold other layers. ``fingerprint``, ``layers`` and ``group`` enter the
+    seed only when set, so a namespace without them keeps the names it always had.
     """
 
     model_id: str
@@ -47,12 +51,18 @@ class Namespace:
     tp_world_size: int = 1
     hash_version: int = HASH_VERSION
     group: int = 0
+    layers: tuple[int, int] | None = None
+    fingerprint: bytes = b""
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < self.tp_world_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside world size {self.tp_world_size}")
         if self.group < 0:
             raise ValueError(f"group must be >= 0, got {self.group}")
+        if self.layers is not None and (
+            len(self.layers) != 2 or self.layers[0] < 0 or self.layers[1] <= 0
+        ):
+            raise ValueError(f"layers must be (first >= 0, count > 0), got {self.layers}")
 
     @property
     def seed(self) -> BlockHash:
@@ -68,9 +78,22 @@ class Namespace:
                 self.tp_world_size.to_bytes(4, "little"),
                 self.hash_version.to_bytes(4, "little"),
                 b"group" + self.group.to_bytes(4, "little") if self.group else b"",
+                self._layers_bytes(),
+                self._fingerprint_bytes(),
             ]
         )
         return xxhash.xxh3_128_digest(blob)
+
+    def _layers_bytes(self) -> bytes:
+        if self.layers is None:
+            return b""
+        first, count = self.layers
+        return b"layers" + first.to_bytes(4, "little") + count.to_bytes(4, "little")
+
+    def _fingerprint_bytes(self) -> bytes:
+        if not self.fingerprint:
+            return b""
+        return b"fp" + len(self.fingerprint).to_bytes(4, "little") + self.fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +109,16 @@ class MultiModalInput:
 class ExtraKeys:
     """Request properties that change a block's meaning without changing its token ids."""
 
-    lora_name: str | None = None
+    lora: str | None = None
+    """The LoRA adapter's key: a digest of its files, or its name where they are unknown."""
     mm_inputs: tuple[MultiModalInput, ...] = field(default_factory=tuple)
     cache_salt: str | None = None
 
     def for_block(self, start: int, end: int, root: bool) -> bytes:
         """The extra bytes of the block covering tokens ``[start, end)``; empty if none apply."""
         parts: list[bytes] = []
-        if self.lora_name:
-            parts.append(b"L" + self.lora_name.encode())
+        if self.lora:
+            parts.append(b"L" + self.lora.encode())
         for mm in self.mm_inputs:
             if mm.offset < end and start < mm.offset + mm.length:
                 parts.append(b"M" + mm.content_hash.encode())

@@ -32,7 +32,9 @@ class KVTierConfig:
     """File holding the shared token a TCP daemon requires (default: ``$KVTIER_TOKEN``)."""
     model_id: str | None = None
     """Names the model in every block hash. Default: vLLM's ``--model``. Set it when the same
-    weights are served from different paths, so engines share blocks."""
+    weights are served from different paths, so engines share blocks. It replaces the name
+    only: the model fingerprint (``vllm_identity``) still tells revisions, configs, weights and
+    KV scales apart."""
     store_policy: str = "on_compute"
     """``on_compute``: store each block once it is full. ``on_finish``: store a request's
     blocks when it finishes (its blocks are freed once the copy has read them)."""

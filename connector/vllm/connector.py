@@ -12,8 +12,10 @@ looks up hashes and plans loads and stores; the worker role (``worker.WorkerSide
 copies blocks. This module only routes vLLM's calls to the side that serves them; the keys of
 ``kv_connector_extra_config`` are in ``config.KVTierConfig``. It supports vLLM's hybrid
 KV cache manager (``SupportsHMA``): each KV cache group is stored and loaded on its own
-(``groups``). With vLLM's ``--kv-events-config`` the scheduler role also publishes what
-the daemon's host and disk tiers hold, in vLLM's KV events (``events``).
+(``groups``), and pipeline parallelism: each stage stores and loads its own layers. Blocks
+are named by the model's name and fingerprint (``identity``). With vLLM's
+``--kv-events-config`` the scheduler role also publishes what the daemon's host and disk tiers
+hold, in vLLM's KV events (``events``).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.utils import get_pp_indices
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm.config import KVTierConfig, check_load_failure_policy
-from kvtier.connector.vllm.groups import groups_from_kv_cache_config
+from kvtier.connector.vllm.groups import NO_PIPELINE, Pipeline, groups_from_kv_cache_config
+from kvtier.connector.vllm.identity import model_identity
 from kvtier.connector.vllm.layout import REQUIRED_KV_CACHE_LAYOUT
 from kvtier.connector.vllm.metadata import KVTierMetadata
 from kvtier.connector.vllm.scheduler import SchedulerSide
@@ -57,11 +61,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         config = KVTierConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         parallel = vllm_config.parallel_config
         tp_world = parallel.tensor_parallel_size
+        # vLLM hands the scheduler the first pipeline stage's KV cache config.
+        stage = _pp_rank() if role == KVConnectorRole.WORKER else 0
         groups = groups_from_kv_cache_config(
             kv_cache_config,
             tp_world,
             getattr(parallel, "decode_context_parallel_size", 1),
             getattr(parallel, "prefill_context_parallel_size", 1),
+            pipeline_of(vllm_config, stage),
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -69,14 +76,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         # takes over the host hits the scheduler's lookup held
         group = self._kv_transfer_config.engine_id or ""
         if role == KVConnectorRole.SCHEDULER:
-            model_id = config.model_id or vllm_config.model_config.model
             hash_block_size = kv_cache_config.hash_block_size  # None: vLLM's block size
             events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(
                 config,
                 groups,
-                model_id,
-                tp_world,
+                model_identity(vllm_config, config.model_id),
                 hash_block_size,
                 engine_group=group,
                 publish_events=bool(events and events.enable_kv_cache_events),
@@ -101,9 +106,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
         model = vllm_config.model_config
         if model is not None and model.use_mla and current_platform.is_cpu():
-            # vLLM's CPU MLA backend declares no layouts (so vLLM would take ours) but writes
-            # a layer's cache through `.view(-1, latent)`, which a block-outermost layout's
-            # strided per-layer view refuses: leave it vLLM's default, layer by layer.
+            # vLLM's CPU MLA backends (the reference one and the AMX one) declare no layouts,
+            # so vLLM would take ours, but address a layer's cache as one run of rows (through
+            # `.view(-1, latent)`, or row `block * block_size + offset` in the AMX kernels),
+            # which a block-outermost layout's strided per-layer view breaks: leave it vLLM's
+            # default, layer by layer.
             return None
         return REQUIRED_KV_CACHE_LAYOUT
 
@@ -222,3 +229,21 @@ def _tp_rank() -> int:
     if not parallel_state.model_parallel_is_initialized():
         return 0
     return parallel_state.get_tensor_model_parallel_rank()
+
+
+def _pp_rank() -> int:
+    """This worker's pipeline stage (0 when vLLM runs without distributed groups)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return parallel_state.get_pp_group().rank_in_group
+
+
+def pipeline_of(vllm_config, stage: int) -> Pipeline:
+    """Every pipeline stage's decoder layers, as vLLM splits them (``get_pp_indices``, which
+    follows ``VLLM_PP_LAYER_PARTITION``), with ``stage`` as this process's."""
+    size = vllm_config.parallel_config.pipeline_parallel_size
+    if size == 1:
+        return NO_PIPELINE
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    spans = [get_pp_indices(layers, s, size) for s in range(size)]
+    return Pipeline(tuple((start, end - start) for start, end in spans), stage)

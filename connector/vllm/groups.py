@@ -14,16 +14,26 @@ Tensor parallelism: a group's KV is split in ``shards`` distinct parts; consecut
 hold identical KV (an MLA latent, ``max_tp_shards=1``; replicated KV heads) share one shard,
 one namespace, and the first of them alone stores it; every one of them loads it.
 
+Pipeline parallelism: each stage holds the KV of its own decoder layers (vLLM's
+``get_pp_indices``), so a stage's blocks are a shard of their own, named by the stage's layer
+range (``Namespace.layers``) and with that stage's layout (its layer count): the shards of a
+group are every stage's tensor-parallel shards, stage by stage, and a hit is a hit only when
+every stage holds its shard. vLLM hands the scheduler the first stage's layers alone, so a
+later stage's layers are known only where they follow from its layer range: a model of one KV
+cache group with one KV layer per decoder layer. Every worker checks that of its own layers at
+start-up; other models are refused under pipeline parallelism.
+
 Refused at start-up, each with the reason: Mamba and other state groups, encoder and
 cross-attention, layer kinds whose window is not one of the above, groups vLLM does not
 prefix-cache, layers of one group with different page shapes, quantisation whose scales live
-outside the page, and context parallelism.
+outside the page, context parallelism, and pipeline parallelism where a stage's layers do not
+follow from its layer range.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.connector.vllm.layout import layout_of_spec
 from kvtier.tiers.hashing import Namespace
@@ -47,6 +57,31 @@ _WHY_NOT = {
 
 
 @dataclass(frozen=True, slots=True)
+class Pipeline:
+    """The decoder layers of every pipeline stage, and which stage this process serves."""
+
+    stages: tuple[tuple[int, int], ...] = ()
+    """``(first layer, count)`` of each stage, in stage order; empty without pipeline
+    parallelism (one stage holds every layer, and its namespaces name no layer range)."""
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.stage < self.size:
+            raise ValueError(f"pipeline stage {self.stage} outside {self.size} stages")
+
+    @property
+    def size(self) -> int:
+        return max(1, len(self.stages))
+
+    def layers(self, stage: int) -> tuple[int, int] | None:
+        """The layer range a namespace of ``stage`` names (None: every layer)."""
+        return self.stages[stage] if self.stages else None
+
+
+NO_PIPELINE = Pipeline()
+
+
+@dataclass(frozen=True, slots=True)
 class KVGroup:
     """One KV cache group of a vLLM model, as kvtier stores it."""
 
@@ -62,6 +97,8 @@ class KVGroup:
     """Tokens of one local-attention chunk (``ChunkedLocalAttentionSpec``)."""
     tp_replicas: int = 1
     """Consecutive tensor-parallel ranks that hold identical KV of this group."""
+    tp_world: int = 1
+    pipeline: Pipeline = NO_PIPELINE
 
     @property
     def block_size(self) -> int:
@@ -93,27 +130,54 @@ class KVGroup:
         """The first block a hit of ``num_tokens`` needs (the earlier ones are null)."""
         return self.skipped_tokens(num_tokens) // self.block_size
 
+    @property
+    def tp_shards(self) -> int:
+        """Distinct tensor-parallel shards of one stage's KV of this group."""
+        return self.tp_world // self.tp_replicas
+
     def shard(self, rank: int) -> int:
-        """The shard of this group's KV that tensor-parallel ``rank`` holds."""
-        return rank // self.tp_replicas
+        """The shard of this group's KV that tensor-parallel ``rank`` of this process's
+        pipeline stage holds: the stages' shards follow one another."""
+        return self.pipeline.stage * self.tp_shards + rank // self.tp_replicas
 
     def stores(self, rank: int) -> bool:
         """Whether ``rank`` stores its shard: the first rank holding it does."""
         return rank % self.tp_replicas == 0
 
-    def namespaces(self, model_id: str, tp_world: int) -> list[Namespace]:
+    def shard_layouts(self) -> list[KVLayout]:
+        """The layout of each shard, in shard order: its stage's layer count."""
+        per_stage = [
+            replace(self.layout, num_layers=count) for _, count in self.pipeline.stages
+        ] or [self.layout]
+        return [layout for layout in per_stage for _ in range(self.tp_shards)]
+
+    def namespaces(self, model_id: str, fingerprint: bytes = b"") -> list[Namespace]:
         """One namespace per shard, in shard order."""
+        layouts = self.shard_layouts()
         return [
-            Namespace(model_id, self.layout.signature, shard, tp_world, group=self.index)
-            for shard in range(tp_world // self.tp_replicas)
+            Namespace(
+                model_id,
+                layouts[stage * self.tp_shards + shard].signature,
+                shard,
+                self.tp_world,
+                group=self.index,
+                layers=self.pipeline.layers(stage),
+                fingerprint=fingerprint,
+            )
+            for stage in range(self.pipeline.size)
+            for shard in range(self.tp_shards)
         ]
 
 
 def groups_from_kv_cache_config(
-    kv_cache_config, tp_world: int = 1, dcp_world: int = 1, pcp_world: int = 1
+    kv_cache_config,
+    tp_world: int = 1,
+    dcp_world: int = 1,
+    pcp_world: int = 1,
+    pipeline: Pipeline = NO_PIPELINE,
 ) -> list[KVGroup]:
-    """Every KV cache group of one rank's ``KVCacheConfig``, or a ``ValueError`` saying why
-    kvtier cannot serve this model."""
+    """Every KV cache group of one rank's ``KVCacheConfig`` (of ``pipeline.stage``), or a
+    ``ValueError`` saying why kvtier cannot serve this model."""
     if dcp_world > 1 or pcp_world > 1:
         raise ValueError(
             "KVTierConnector does not support decode or prefill context parallelism: it "
@@ -122,7 +186,36 @@ def groups_from_kv_cache_config(
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         raise ValueError("KVTierConnector has nothing to store: this model keeps no KV cache")
-    return [_group(index, group, tp_world) for index, group in enumerate(groups)]
+    if pipeline.stages:
+        _check_stage_layers(groups, pipeline)
+    return [_group(index, group, tp_world, pipeline) for index, group in enumerate(groups)]
+
+
+def _check_stage_layers(groups, pipeline: Pipeline) -> None:
+    """Refuses pipeline parallelism unless this stage's KV layers are its decoder layers, one
+    each: only then does every stage's layout follow from its layer range."""
+    why = (
+        "KVTierConnector supports pipeline parallelism only for a model of one KV cache group "
+        "with one KV layer per decoder layer (vLLM tells the scheduler the first stage's "
+        "layers alone, so kvtier derives every other stage's from its layer range)"
+    )
+    if len(groups) > 1:
+        raise ValueError(f"{why}; this model has {len(groups)} KV cache groups")
+    first, count = pipeline.stages[pipeline.stage]
+    names = list(groups[0].layer_names)
+    indices = [_layer_index(name) for name in names]
+    if indices != list(range(first, first + count)):
+        raise ValueError(
+            f"{why}; pipeline stage {pipeline.stage} holds decoder layers {first}.."
+            f"{first + count - 1} but KV layers {names[:4]}{'...' if len(names) > 4 else ''}"
+        )
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a KV layer belongs to: the one number in its dotted name, as vLLM's
+    ``extract_layer_index`` reads it (None: not exactly one)."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    return numbers[0] if len(numbers) == 1 else None
 
 
 def alignment_tokens(groups: list[KVGroup]) -> int:
@@ -130,7 +223,7 @@ def alignment_tokens(groups: list[KVGroup]) -> int:
     return math.lcm(*(group.block_size for group in groups))
 
 
-def _group(index: int, group, tp_world: int) -> KVGroup:
+def _group(index: int, group, tp_world: int, pipeline: Pipeline) -> KVGroup:
     spec = _one_spec(index, group.kv_cache_spec)
     kind = type(spec).__name__
     where = f"KV cache group {index} ({kind}, layers {list(group.layer_names)[:3]}...)"
@@ -165,6 +258,8 @@ def _group(index: int, group, tp_world: int) -> KVGroup:
         extra_retained_tokens=extra,
         attention_chunk_size=chunk,
         tp_replicas=_tp_replicas(spec, tp_world),
+        tp_world=tp_world,
+        pipeline=pipeline,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.vllm.adapters import AdapterKeys
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.groups import KVGroup
 from kvtier.connector.vllm.hits import Chain
@@ -43,6 +44,8 @@ class HitPlanner:
         self.loading: dict[str, RequestState] = {}
         """Requests whose planned load has not proved good or landed yet."""
         self.lookups = Lookups()
+        self.adapters = AdapterKeys()
+        """Each LoRA adapter's key: its content, so a reloaded adapter names new blocks."""
         self.loads: list[LoadSpec] = []
         """Loads planned since the last step's metadata took them."""
 
@@ -67,8 +70,9 @@ class HitPlanner:
     def _state(self, request) -> RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
+            lora = self.adapters.key(request.lora_request)
             hashes = [
-                RequestHashes(request, seeds, group.block_size, self.hash_block_size)
+                RequestHashes(request, seeds, group.block_size, self.hash_block_size, lora)
                 for group, seeds in zip(self.groups, self.seeds, strict=True)
             ]
             state = RequestState.new(request, hashes)
@@ -99,9 +103,13 @@ class HitPlanner:
         ):
             self.lookups.discard(lookup)
             chains = [
-                Chain(group, shard)
+                Chain(group, shard, layout.signature)
                 for group, hashes in zip(self.groups, state.hashes, strict=True)
-                for shard in hashes.per_shard(0, end // group.block_size)
+                for shard, layout in zip(
+                    hashes.per_shard(0, end // group.block_size),
+                    group.shard_layouts(),
+                    strict=True,
+                )
             ]
             lookup = Lookup.ask(self._ask, chains, start, end, self.align)
             self.lookups.add(lookup)
@@ -109,8 +117,8 @@ class HitPlanner:
             self.stats.add("lookup_tokens", end - start)
         return lookup
 
-    def _ask(self, group: KVGroup, hashes: list[BlockHash]):
-        return self.clients[group.layout.signature].lookup_async(hashes)
+    def _ask(self, chain: Chain, hashes: list[BlockHash]):
+        return self.clients[chain.signature].lookup_async(hashes)
 
     @property
     def _min_hit_tokens(self) -> int:

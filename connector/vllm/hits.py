@@ -9,11 +9,12 @@ below ``start`` (vLLM's own GPU hit) are vLLM's. The hit is a multiple of every 
 size.
 
 The daemon answers one question: of these hashes, how many does it hold from the first on.
-The first round asks it, per group and tensor-parallel shard, about every block from
-``start`` to the end; that settles full attention, and a window group whose blocks are all
-there. Where a window group's answer stops short of the window a candidate hit needs, the
-next round asks about that window alone; a block known missing lowers the candidate to just
-before it. Each round starts from the last answer's callback, so the scheduler never waits.
+The first round asks it, per group and shard (of a tensor-parallel rank and pipeline stage),
+about every block from ``start`` to the end; that settles full attention, and a window group
+whose blocks are all there. Where a window group's answer stops short of the window a
+candidate hit needs, the next round asks about that window alone; a block known missing
+lowers the candidate to just before it. Each round starts from the last answer's callback, so
+the scheduler never waits.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from kvtier.tiers.lower import LowerHits
 
 UNKNOWN, HELD, MISSING = 0, 1, 2
 
-Ask = Callable[[KVGroup, list[BlockHash]], Future[LowerHits]]
-"""Starts a prefix lookup of these hashes of a group; the future never raises."""
+Ask = Callable[["Chain", list[BlockHash]], Future[LowerHits]]
+"""Starts a prefix lookup of these hashes of a chain; the future never raises."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +49,16 @@ class Hit:
 
 
 class Chain:
-    """One group's hashes for one shard, and what the daemon is known to hold of them."""
+    """One group's hashes for one shard, and what the daemon is known to hold of them.
 
-    __slots__ = ("first_answer", "group", "hashes", "known")
+    ``signature`` is the layout its blocks are stored under: the group's, or under pipeline
+    parallelism its shard's stage's (a stage holds its own number of layers)."""
 
-    def __init__(self, group: KVGroup, hashes: Sequence[BlockHash]):
+    __slots__ = ("first_answer", "group", "hashes", "known", "signature")
+
+    def __init__(self, group: KVGroup, hashes: Sequence[BlockHash], signature: bytes | None = None):
         self.group = group
+        self.signature = signature if signature is not None else group.layout.signature
         self.hashes = list(hashes)
         self.known = bytearray(len(self.hashes))
         self.first_answer: LowerHits | None = None
@@ -116,7 +121,7 @@ class HitSearch:
         with self._lock:
             self._pending = len(probes)
         for chain, first, last in probes:
-            future = self._ask(chain.group, chain.hashes[first:last])
+            future = self._ask(chain, chain.hashes[first:last])
             future.add_done_callback(
                 lambda f, chain=chain, first=first, n=last - first: self._answered(
                     chain, first, n, f.result()

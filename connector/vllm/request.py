@@ -2,8 +2,9 @@
 for every KV cache group and tensor-parallel shard.
 
 The chain covers the request's token ids as they grow (prompt, then output tokens for blocks
-stored during decode); the LoRA name, multimodal inputs and ``cache_salt`` of the request
-enter as ``ExtraKeys``, so a salted or LoRA request shares nothing it should not.
+stored during decode); the LoRA adapter's key (its content, ``vllm_adapters``), multimodal
+inputs and ``cache_salt`` of the request enter as ``ExtraKeys``, so a salted or LoRA request
+shares nothing it should not.
 
 vLLM may also take tokens back: a streaming-input session drops the last sampled token and
 the block hashes over it when its next chunk arrives. The chain follows vLLM's own
@@ -22,22 +23,23 @@ from kvtier.connector.vllm.metadata import pack
 from kvtier.tiers.hashing import BlockHash, ExtraKeys, MultiModalInput, hash_block_chain
 
 
-def extra_keys(request) -> ExtraKeys:
-    """The properties of a vLLM ``Request`` that change its blocks' meaning."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
+def extra_keys(request, lora: str | None) -> ExtraKeys:
+    """The properties of a vLLM ``Request`` that change its blocks' meaning; ``lora`` is its
+    adapter's key."""
     mm = tuple(
         MultiModalInput(f.mm_position.offset, f.mm_position.length, f.identifier)
         for f in request.mm_features or ()
     )
-    return ExtraKeys(lora_name=lora, mm_inputs=mm, cache_salt=request.cache_salt)
+    return ExtraKeys(lora=lora, mm_inputs=mm, cache_salt=request.cache_salt)
 
 
 class RequestHashes:
     """Per-shard chained hashes of a request's full blocks (of one KV cache group), as far as
     vLLM has hashed them.
 
-    ``seeds`` are the root parents, one per tensor-parallel shard. ``hash_block_size`` is the
-    granularity of vLLM's ``request.block_hashes`` (it divides ``block_size``).
+    ``seeds`` are the root parents, one per shard. ``hash_block_size`` is the granularity of
+    vLLM's ``request.block_hashes`` (it divides ``block_size``). ``lora`` is the key of the
+    request's LoRA adapter (``vllm_adapters.AdapterKeys``).
     """
 
     __slots__ = ("_block_size", "_chains", "_cut", "_extra", "_marks", "_num_mm", "_per_block")
@@ -48,6 +50,7 @@ class RequestHashes:
         seeds: Sequence[BlockHash],
         block_size: int,
         hash_block_size: int | None = None,
+        lora: str | None = None,
     ):
         hash_block_size = hash_block_size or block_size
         if block_size % hash_block_size:
@@ -59,7 +62,7 @@ class RequestHashes:
         self._per_block = block_size // hash_block_size
         self._chains: list[tuple[BlockHash, list[BlockHash]]] = [(seed, []) for seed in seeds]
         self._marks: list[object] = []  # vLLM's hash of each block's last hash block
-        self._extra = extra_keys(request)
+        self._extra = extra_keys(request, lora)
         self._num_mm = len(request.mm_features or ())
         self._cut: int | None = None
 
@@ -75,7 +78,7 @@ class RequestHashes:
         if end <= have:
             return have
         if len(request.mm_features or ()) != self._num_mm:  # a streamed chunk added inputs
-            self._extra = extra_keys(request)
+            self._extra = extra_keys(request, self._extra.lora)
             self._num_mm = len(request.mm_features)
         size = self._block_size
         tokens = request.all_token_ids[have * size : end * size]

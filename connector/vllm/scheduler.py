@@ -1,8 +1,8 @@
 """The scheduler half of ``KVTierConnector``: lookups, load plans and store plans.
 
-Per request and KV cache group it keeps kvtier's hash chains (one per tensor-parallel shard),
-the request's vLLM block ids and how many of its blocks are in kvtier or handed to the
-workers to store. Each step:
+Per request and KV cache group it keeps kvtier's hash chains (one per shard: of a
+tensor-parallel rank and a pipeline stage), the request's vLLM block ids and how many of its
+blocks are in kvtier or handed to the workers to store. Each step:
 
 * ``get_num_new_matched_tokens`` asks the daemon, for every group and shard and without
   waiting, which of the prompt's full blocks beyond vLLM's own GPU hit it holds (never the
@@ -38,6 +38,7 @@ from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.events import TAG_BYTES, TierEvents, identities
 from kvtier.connector.vllm.groups import KVGroup, alignment_tokens
 from kvtier.connector.vllm.hit_planner import HitPlanner
+from kvtier.connector.vllm.identity import ModelIdentity
 from kvtier.connector.vllm.metadata import KVTierMetadata, StoreSpec
 from kvtier.connector.vllm.request import RequestState
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats, breaker_trips
@@ -53,8 +54,7 @@ class SchedulerSide:
         self,
         config: KVTierConfig,
         groups: list[KVGroup],
-        model_id: str,
-        tp_world: int,
+        model: ModelIdentity,
         hash_block_size: int | None = None,
         engine_group: str = "",
         publish_events: bool = False,
@@ -80,14 +80,15 @@ class SchedulerSide:
             )
         self.hash_block_size = hash_block_size
         self._base_seeds = [
-            [ns.seed for ns in group.namespaces(model_id, tp_world)] for group in groups
+            [ns.seed for ns in group.namespaces(model.name, model.fingerprint)] for group in groups
         ]
         self.clients = {}
         for group in groups:
-            if group.layout.signature not in self.clients:
-                self.clients[group.layout.signature] = config.client(
-                    group.layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
-                )
+            for layout in group.shard_layouts():
+                if layout.signature not in self.clients:
+                    self.clients[layout.signature] = config.client(
+                        layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
+                    )
         self.client = self.clients[groups[0].layout.signature]
         for client in self.clients.values():
             if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
