@@ -1,5 +1,5 @@
 """What names a model in kvtier's hashes, under vLLM 0.33's own configs: the model fingerprint
-(``vllm_identity``) and LoRA adapters by content (``vllm_adapters``).
+(``identity``) and LoRA adapters by content (``adapters``).
 
 Engines whose KV differs for the same tokens (another rope_theta, revision, weights, KV scale,
 KV cache dtype) get disjoint names, whatever ``model_id`` says; engines of one configuration

@@ -33,7 +33,7 @@ class KVTierConfig:
     model_id: str | None = None
     """Names the model in every block hash. Default: vLLM's ``--model``. Set it when the same
     weights are served from different paths, so engines share blocks. It replaces the name
-    only: the model fingerprint (``vllm_identity``) still tells revisions, configs, weights and
+    only: the model fingerprint (``identity``) still tells revisions, configs, weights and
     KV scales apart."""
     store_policy: str = "on_compute"
     """``on_compute``: store each block once it is full. ``on_finish``: store a request's

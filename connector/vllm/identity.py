@@ -22,7 +22,7 @@ the disk and remote tiers outlive every such change. The fingerprint is an xxh3-
 
 ``model_id`` replaces the name only (engines serving one checkpoint from different paths then
 share blocks); the fingerprint applies whatever the name. LoRA adapters are named by content
-per request (``vllm_adapters``).
+per request (``adapters``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 for every KV cache group and tensor-parallel shard.
 
 The chain covers the request's token ids as they grow (prompt, then output tokens for blocks
-stored during decode); the LoRA adapter's key (its content, ``vllm_adapters``), multimodal
+stored during decode); the LoRA adapter's key (its content, ``adapters``), multimodal
 inputs and ``cache_salt`` of the request enter as ``ExtraKeys``, so a salted or LoRA request
 shares nothing it should not.
 
@@ -39,7 +39,7 @@ class RequestHashes:
 
     ``seeds`` are the root parents, one per shard. ``hash_block_size`` is the granularity of
     vLLM's ``request.block_hashes`` (it divides ``block_size``). ``lora`` is the key of the
-    request's LoRA adapter (``vllm_adapters.AdapterKeys``).
+    request's LoRA adapter (``adapters.AdapterKeys``).
     """
 
     __slots__ = ("_block_size", "_chains", "_cut", "_extra", "_marks", "_num_mm", "_per_block")

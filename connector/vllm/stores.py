@@ -14,7 +14,7 @@ reservation waited for) before the step that may overwrite its freed blocks.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Collection
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
@@ -72,3 +72,36 @@ class StoreQueue:
         ready = [(store, store.reserved.result()) for store in self._pending]
         self._pending.clear()
         return ready
+
+
+class StoreReaders:
+    """What stores not landed yet still read: each request (vLLM keeps a finished one's blocks
+    until then) and, where vLLM may hand a block out again mid-request (a model with window
+    groups: ``track_blocks``), each block."""
+
+    def __init__(self, track_blocks: bool):
+        self.requests: Counter[str] = Counter()
+        self.blocks: Counter[int] = Counter()
+        self._track_blocks = track_blocks
+
+    def add(self, owners: list[str], block_ids: list[int]) -> None:
+        self.requests.update(owners)
+        if self._track_blocks:
+            self.blocks.update(block_ids)
+
+    def reads_any(self, block_ids: Collection[int]) -> bool:
+        return self._track_blocks and any(block in self.blocks for block in block_ids)
+
+    def done(self, readers: Counter[str], block_ids: list[int]) -> None:
+        """Stores of ``readers`` (request → blocks) reading ``block_ids`` have landed."""
+        for req_id, n in readers.items():
+            self.requests[req_id] -= n
+            if not self.requests[req_id]:
+                del self.requests[req_id]
+        if self._track_blocks:
+            for block in block_ids:
+                left = self.blocks[block] - 1
+                if left > 0:
+                    self.blocks[block] = left
+                else:
+                    self.blocks.pop(block, None)

@@ -24,16 +24,13 @@ vLLM holds for us are reported in ``finished_sending`` once no store reads them 
 sliding-window group's blocks are freed by vLLM while their request runs; when a step hands
 out a block a store still reads, that store starts first and the step is ordered after it.
 
-The copies themselves never make the engine's thread wait for the GPU (``CopyEngine``); the
-arena is page-locked under this worker's device by the daemon client, on its own thread, as it
-maps it (at start-up: on this thread, at ``register_kv_caches``), so a daemon restart never
-locks tens of GiB mid-step. Slots belong to the client's session that handed them out; a copy
-not started before that session was lost is dropped (a store's slots aborted, a load's blocks
-recomputed): its slots are fenced on the daemon until the client proves, by opening its next
-session, that nothing of its can land in them, and a late copy would only delay that. Reserves,
-acquires for async loads and commits run on helper threads (the commit thread never holds up
-a release: releases are sent without waiting); every daemon call is bounded by the client's
-deadline and never raises for daemon trouble.
+The copies never make the engine's thread wait for the GPU (``CopyEngine``); the daemon
+client page-locks each arena under this worker's device on its own thread as it maps it, so a
+daemon restart never locks tens of GiB mid-step. A copy not started before its slots' session
+was lost is dropped (a store's slots aborted, a load's blocks recomputed): the daemon fences
+those slots until the client's next session proves nothing of its can land in them. Reserves,
+async loads' acquires and commits run on helper threads (releases are sent without waiting);
+every daemon call has the client's deadline and never raises for daemon trouble.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ from kvtier.connector.vllm.layout import kv_placement
 from kvtier.connector.vllm.loads import InFlight, StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
-from kvtier.connector.vllm.stores import PendingStore, StoreQueue
+from kvtier.connector.vllm.stores import PendingStore, StoreQueue, StoreReaders
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.transfer import Transfer
@@ -96,16 +93,14 @@ class WorkerSide:
             group.index: StoreQueue(self._client(group).reserve, self._reserver) for group in groups
         }
         self._stores_in_flight: list[Transfer] = []
-        self._storing: Counter[str] = Counter()
+        # Blocks read by stores not landed yet, where vLLM may hand them out mid-request.
+        self._readers = StoreReaders(track_blocks=any(group.windowed for group in groups))
         self._delayed_free: set[str] = set()
         self._load_errors: set[int] = set()
         # vLLM maps failed block ids back to requests only for a model of one group.
         self._whole_request_failures = len(groups) > 1
         self._failed_loads: set[str] = set()
         self._failed_landed: set[str] = set()
-        # Blocks read by stores not landed yet, where vLLM may hand them out mid-request.
-        self._track_reads = any(group.windowed for group in groups)
-        self._reading: Counter[int] = Counter()
         self._commits: deque[tuple[int, int, bool]] = deque()  # (blocks, bytes, ok)
         self._trouble = DaemonTrouble(trips=True)
 
@@ -121,24 +116,20 @@ class WorkerSide:
             client = self._client(group)
             if placement.device.type == "cuda" and id(client) not in locked:
                 locked.add(id(client))
+                device = placement.device
                 client.page_lock_with(
-                    partial(register_host, device=placement.device, row_bytes=client.block_bytes),
-                    partial(_unregister, device=placement.device),
+                    partial(register_host, device=device, row_bytes=client.block_bytes),
+                    lambda slab, device=device: unregister_host(slab.data_ptr(), device),
                 )
             engine = CopyEngine(placement, client.slab, lock_host=False)
             self.engines[group.index] = engine
+            copies = "one DMA per block" if placement.block_contiguous else "staged"
+            arena = "page-locked" if client.page_locked else "not locked yet"
             log.info(
                 "kvtier worker %d, group %d (%s): %d layers, %d blocks of %d B on %s (%s), "
                 "arena %s",
-                self.rank,
-                group.index,
-                group.kind,
-                group.layout.num_layers,
-                placement.num_blocks,
-                group.layout.block_bytes,
-                placement.device,
-                "one DMA per block" if placement.block_contiguous else "staged",
-                "page-locked" if client.page_locked else "not locked yet",
+                *(self.rank, group.index, group.kind, group.layout.num_layers),
+                *(placement.num_blocks, group.layout.block_bytes, placement.device, copies, arena),
             )
 
     @property
@@ -192,7 +183,7 @@ class WorkerSide:
         """Starts the previous steps' stores (those of preempted requests without fail), and
         orders this step's work after stores still reading blocks vLLM just freed or just
         handed out again."""
-        reused = self._track_reads and any(block in self._reading for block in meta.new_blocks)
+        reused = self._readers.reads_any(meta.new_blocks)
         if reused:
             self._start_all_stores()
         else:
@@ -237,7 +228,7 @@ class WorkerSide:
             del self._async_loads[req_id]
         self._failed_landed |= recving & self._failed_loads
         self._failed_loads -= recving
-        sending = {req_id for req_id in self._delayed_free if not self._storing[req_id]}
+        sending = {req_id for req_id in self._delayed_free if not self._readers.requests[req_id]}
         self._delayed_free -= sending
         return sending, recving
 
@@ -357,9 +348,7 @@ class WorkerSide:
                 metas += spec.metas if shard == 0 and spec.metas else [b""] * len(ours)
                 block_ids += spec.block_ids
                 owners += [spec.req_id] * len(ours)
-            self._storing.update(owners)  # their requests stay held until the copies land
-            if self._track_reads:
-                self._reading.update(block_ids)
+            self._readers.add(owners, block_ids)  # requests stay held until the copies land
             queue.add(hashes, metas if any(metas) else [], block_ids, owners)
 
     def _start_stores(self, must: Collection[str] = ()) -> None:
@@ -381,7 +370,7 @@ class WorkerSide:
         deduped = sum(1 for slot in slots if slot == ALREADY_STORED)
         self.stats.add("deduplicated_blocks", deduped)
         self.stats.add("store_failed_blocks", len(slots) - deduped - len(picked))
-        self._stored(
+        self._readers.done(
             Counter(store.owners[i] for i, slot in enumerate(slots) if slot < 0),
             [store.block_ids[i] for i, slot in enumerate(slots) if slot < 0],
         )
@@ -395,35 +384,17 @@ class WorkerSide:
         if not client.connected:  # the session that reserved them is gone (see _copy_slots)
             client.abort(mine_slots)
             self.stats.add("store_failed_blocks", len(mine_slots))
-            self._stored(readers, mine_blocks)
+            self._readers.done(readers, mine_blocks)
             return
 
         def done() -> None:
             self._finisher.submit(self._commit, client, mine_slots, block_bytes)
-            self._stored(readers, mine_blocks)
+            self._readers.done(readers, mine_blocks)
 
         transfer = self.engines[group.index].store(mine_blocks, mine_slots, callback=done)
         if not transfer.done():
             self._stores_in_flight.append(transfer)
 
-    def _stored(self, readers: Counter[str], block_ids: list[int]) -> None:
-        """Blocks no store reads any more, and their requests."""
-        for req_id, n in readers.items():
-            self._storing[req_id] -= n
-            if not self._storing[req_id]:
-                del self._storing[req_id]
-        if self._track_reads:
-            for block in block_ids:
-                left = self._reading[block] - 1
-                if left > 0:
-                    self._reading[block] = left
-                else:
-                    self._reading.pop(block, None)
-
     def _commit(self, client: DaemonClient, slots: list[int], block_bytes: int) -> None:
         """Runs on the committer thread; the engine thread counts the outcome."""
         self._commits.append((len(slots), len(slots) * block_bytes, client.commit(slots)))
-
-
-def _unregister(slab: torch.Tensor, device: torch.device) -> None:
-    unregister_host(slab.data_ptr(), device)
