@@ -25,6 +25,10 @@ TOKEN_ENV = "KVTIER_TOKEN"
 """Environment variable holding the shared token for TCP."""
 SLOT_ALREADY_STORED = -1
 SLOT_NO_SPACE = -2
+EVENTS_LOST = "kvtier: events lost"
+"""Starts the details of the ``ABORTED`` status that ends a ``WatchEvents`` stream whose
+watcher fell too far behind to be sent every event: what it knows of the tiers may be stale,
+so it watches again with a replay."""
 
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -5,8 +5,10 @@ disk tier from its writer thread); ``emit`` only appends them to a buffer and wa
 loop once per burst, so the tiers pay a deque append per event however many routers listen.
 The loop hands each burst to every subscriber whose layout filter matches, into a bounded
 queue: a router too slow to keep up loses events (counted in ``dropped``) rather than holding
-memory or slowing the tiers. ``None`` in a queue means the hub closed. At most
-``max_subscribers`` watch at once.
+memory or slowing the tiers. From its first lost event on, a subscriber is sent nothing more
+(``lost`` counts what it missed), so that its stream never goes on past a hole: the servicer
+ends the stream, and the watcher watches again with a replay. ``None`` in a queue means the
+hub closed. At most ``max_subscribers`` watch at once.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ class TooManyWatchers(RuntimeError):
 
 
 class Subscription:
-    """One watcher's bounded queue and the layout it follows (None: every layout)."""
+    """One watcher's bounded queue, the layout it follows (None: every layout), and how many
+    events it lost (from the first one lost on, it is sent none)."""
 
-    __slots__ = ("layout", "queue")
+    __slots__ = ("layout", "lost", "queue")
 
     def __init__(self, layout: bytes | None, size: int):
         self.layout = layout
         self.queue: asyncio.Queue[BlockEvent | None] = asyncio.Queue(size)
+        self.lost = 0
 
 
 class EventHub:
@@ -107,7 +111,11 @@ class EventHub:
             for event in burst:
                 if layout is not None and event.layout != layout:
                     continue
-                try:
-                    queue.put_nowait(event)
-                except asyncio.QueueFull:
-                    self.dropped += 1
+                if not subscription.lost:
+                    try:
+                        queue.put_nowait(event)
+                        continue
+                    except asyncio.QueueFull:
+                        pass
+                subscription.lost += 1
+                self.dropped += 1

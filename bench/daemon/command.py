@@ -20,12 +20,18 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   (``disk_writing``): on a small machine the disk's traffic slows every copy, and this is
   the ceiling for a store made while the disk drains;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
-  with full-size lookups (heavy calls run on worker threads, so they must not stall it).
+  with full-size lookups (heavy calls run on worker threads, so they must not stall it);
+* ``small_lookup_p99_slow_remote_ms``: the same small host-hit lookup, one every 5 ms, its
+  p99 while another client's lookups miss the host tier and wait on a remote store answering
+  in 200 ms (a redis-server behind ``SlowProxy``): only what the host tier's memory answers
+  runs on the daemon's event loop, so the wait must not reach it. Left out without
+  ``redis-server``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import shutil
@@ -41,6 +47,7 @@ import torch
 
 from kvtier.bench.daemon.probes import (
     SIGNATURE,
+    SMALL_LOOKUP_HASHES,
     copy_rates,
     hashes_for,
     lookup_worker,
@@ -49,7 +56,9 @@ from kvtier.bench.daemon.probes import (
     small_lookup_p99_ms,
     store_commit_rates,
 )
+from kvtier.bench.daemon.proxy import SlowProxy
 from kvtier.bench.limits import disk_writing, raw_disk_gbps
+from kvtier.bench.redis_server import RedisProcess
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 
@@ -58,6 +67,7 @@ AIMS = {
     "lookup_p99_ms": 2.0,
     "lookups_per_s": 5000,
     "small_lookup_p99_ms": 5.0,
+    "small_lookup_p99_slow_remote_ms": 20.0,
     "store_ratio": 0.8,
     "load_ratio": 0.8,
     "store_commit_ratio": 0.8,
@@ -74,7 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="timed store/load batches")
 
 
-def start_daemon(root: Path, host_bytes: int, disk_bytes: int) -> tuple[subprocess.Popen, str]:
+SLOW_REMOTE_S = 0.2
+"""How late the slow remote store answers each request."""
+
+
+def start_daemon(
+    root: Path, host_bytes: int, disk_bytes: int, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
     """A ``kvtier serve`` subprocess on private paths under ``root``; returns it and its target."""
     root.mkdir(parents=True, exist_ok=True)
     socket = root / "d.sock"
@@ -94,6 +110,7 @@ def start_daemon(root: Path, host_bytes: int, disk_bytes: int) -> tuple[subproce
         str(disk_bytes),
         "--stats-port",
         "-1",
+        *extra,
     ]
     with open(root / "daemon.log", "wb") as log:
         daemon = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -137,6 +154,37 @@ def lookup_figures(target: str, block_bytes: int, args: argparse.Namespace) -> d
     }
 
 
+def slow_remote_p99_ms(root: Path, block_bytes: int, lookups: int) -> float | None:
+    """A small host-hit lookup's p99 while another client's lookups wait on a remote store
+    answering in ``SLOW_REMOTE_S``; None without ``redis-server``."""
+    if shutil.which("redis-server") is None:
+        return None
+    hashes = hashes_for(SMALL_LOOKUP_HASHES)
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(RedisProcess())
+        # Its lookups are slow; the writes behind the blocks stored here go through at once.
+        proxy = stack.enter_context(SlowProxy(server.port, SLOW_REMOTE_S, slow=b"EXISTS"))
+        host_bytes = 2 * len(hashes) * block_bytes
+        daemon, target = start_daemon(root, host_bytes, 0, ("--remote", proxy.url))
+        try:
+            client = connect(target, block_bytes, root)
+            if not client.commit(client.reserve(hashes)):
+                raise RuntimeError("could not store the lookup blocks")
+            # The other client's lookups are small too: each misses the host tier and waits
+            # on the store, one after another. The small ones go every few milliseconds, as
+            # an engine's steps ask, so that every wait of the loop would meet some of them.
+            p99 = small_lookup_p99_ms(target, block_bytes, len(hashes), lookups, 0.005)
+            stats = client.stats()
+            client.close()
+            remote = next(t for t in stats.tiers if t.tier == "remote")
+            if not remote.query_tokens or remote.other["fault_misses"]:
+                raise RuntimeError(f"the remote store was not asked, or not answered: {remote}")
+        finally:
+            daemon.terminate()
+            daemon.wait(30)
+    return p99
+
+
 def run(args: argparse.Namespace) -> int:
     # One thread per copy, like a copy stream: torch's intra-op pool makes small copies far
     # slower on a busy machine (thread wake-ups, not bandwidth).
@@ -162,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             daemon.terminate()
             daemon.wait(30)
+        slow_remote_p99 = slow_remote_p99_ms(root / "slow-remote", block_bytes, 1000)
         burst = 2 * args.batch * args.rounds
         daemon, target = start_daemon(root / "disk", burst * block_bytes, 4 * burst * block_bytes)
         try:
@@ -185,6 +234,11 @@ def run(args: argparse.Namespace) -> int:
         "rpc_floor_p50_ms": floor_ms,
         "lookup_vs_floor": lookups["lookup_p50_ms"] / floor_ms,
         "small_lookup_p99_ms": small_p99,
+        **(
+            {"small_lookup_p99_slow_remote_ms": slow_remote_p99}
+            if slow_remote_p99 is not None
+            else {}
+        ),
         **rates,
         "store_ratio": rates["store_gbps"] / rates["memcpy_gbps"],
         "load_ratio": rates["load_gbps"] / rates["memcpy_gbps"],
@@ -213,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         aim = AIMS.get(key)
         note = f"   (aim {'<=' if key.endswith('_ms') else '>='} {aim})" if aim else ""
         if isinstance(value, float):
-            print(f"{key:>20}  {value:12.3f}{note}")
+            print(f"{key:>32}  {value:12.3f}{note}")
         else:
-            print(f"{key:>20}  {value!s:>12}")
+            print(f"{key:>32}  {value!s:>12}")
     return 0

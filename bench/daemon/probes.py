@@ -191,8 +191,9 @@ def copy_into_slots(client: DaemonClient, rows: torch.Tensor) -> list[bytes]:
     return hashes
 
 
-def hammer_worker(target: str, block_bytes: int, count: int, stop, out) -> None:
-    """Sends full-size lookups (``count`` hashes, all misses) until ``stop`` is set."""
+def hammer_worker(target: str, block_bytes: int, count: int, going, stop, out) -> None:
+    """Sends lookups of ``count`` hashes (all misses) until ``stop`` is set; sets ``going``
+    once the first is answered."""
     client = DaemonClient(SIGNATURE, block_bytes, block_tokens=16, target=target, timeout_s=30)
     try:
         if not client.wait_connected(60):
@@ -202,34 +203,48 @@ def hammer_worker(target: str, block_bytes: int, count: int, stop, out) -> None:
         while not stop.is_set():
             client.lookup(hashes)
             sent += 1
+            going.set()
         out.put(sent)
     finally:
         client.close()
 
 
-def small_lookup_p99_ms(target: str, block_bytes: int, heavy_hashes: int, lookups: int) -> float:
-    """p99 of a small lookup while another process hammers the daemon with heavy ones."""
+def small_lookup_p99_ms(
+    target: str, block_bytes: int, other_hashes: int, lookups: int, interval_s: float = 0.0
+) -> float:
+    """p99 of a small host-hit lookup while another process keeps sending lookups of
+    ``other_hashes`` misses; one every ``interval_s`` (as an engine's steps ask), or back to
+    back with 0."""
     ctx = multiprocessing.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
-    hammer = ctx.Process(target=hammer_worker, args=(target, block_bytes, heavy_hashes, stop, out))
+    going, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    hammer = ctx.Process(
+        target=hammer_worker, args=(target, block_bytes, other_hashes, going, stop, out)
+    )
     hammer.start()
     client = DaemonClient(SIGNATURE, block_bytes, block_tokens=16, target=target, timeout_s=30)
     try:
         if not client.wait_connected(60):
             raise RuntimeError("no daemon session")
         hashes = hashes_for(SMALL_LOOKUP_HASHES)
-        time.sleep(1.0)  # let the hammer get going
+        if not going.wait(120):
+            raise RuntimeError("the other client never got an answer")
         times = []
-        for _ in range(lookups):
+        begin = time.perf_counter()
+        for i in range(lookups):
+            ahead = begin + i * interval_s - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
             start = time.perf_counter()
-            client.lookup(hashes)
+            hits = client.lookup(hashes)
             times.append(time.perf_counter() - start)
+        if hits.host != len(hashes) or client.failures:
+            raise RuntimeError(f"small lookups missed: {hits} failures={client.failures}")
     finally:
         stop.set()
         sent = out.get(timeout=120)
         hammer.join(60)
         client.close()
     if not sent:
-        raise RuntimeError("the heavy client sent nothing")
+        raise RuntimeError("the other client sent nothing")
     times.sort()
     return times[int(0.99 * (len(times) - 1))] * 1e3

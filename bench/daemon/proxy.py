@@ -1,9 +1,11 @@
 """A TCP proxy that makes a store slow: what a slow remote store costs the daemon's callers.
 
-Every chunk a client sends is held before it goes on to the store: ``delay_s`` each (a store
-that answers that much later), and while the gate is shut, a chunk holding the gated command
-waits until the gate opens (``held`` says one is waiting). Replies pass straight back. One
-thread per direction of each connection; ``close`` ends them all.
+A chunk a client sends that carries the command ``slow`` (every chunk when ``slow`` is empty)
+is held ``delay_s`` before it goes on: a store that answers such requests that much later.
+(Naming the command keeps the delay per request: a large write spans many chunks.) While the
+gate is shut, a chunk carrying the gated command waits until it opens (``held`` says one is
+waiting). Replies pass straight back. One thread per direction of each connection; ``close``
+ends them all.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import time
 class SlowProxy:
     """Listens on 127.0.0.1:``port`` and relays to 127.0.0.1:``upstream_port``."""
 
-    def __init__(self, upstream_port: int, delay_s: float = 0.0):
+    def __init__(self, upstream_port: int, delay_s: float = 0.0, slow: bytes = b""):
         self.delay_s = delay_s
+        self._slow = slow
         self._upstream = ("127.0.0.1", upstream_port)
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -112,5 +115,5 @@ class SlowProxy:
         if not self._open.is_set() and self._gated and self._gated in data:
             self.held.set()
             self._open.wait()
-        if self.delay_s:
+        if self.delay_s and self._slow in data:
             time.sleep(self.delay_s)

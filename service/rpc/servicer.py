@@ -29,9 +29,9 @@ import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.proto.contract import HASH_BYTES, pid_namespace
+from kvtier.proto.contract import EVENTS_LOST, HASH_BYTES, pid_namespace
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import STORED, BlockEvent, EventHub
+from kvtier.service.events import STORED, BlockEvent, EventHub, Subscription
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
@@ -322,9 +322,13 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         try:
             if request.replay:
                 async for batch in self._replay(layout):
+                    if subscription.lost:
+                        break
                     yield batch
             queue = subscription.queue
             while True:
+                if subscription.lost:
+                    await self._events_lost(context, subscription)
                 event = await queue.get()
                 batch = []
                 while event is not None:
@@ -338,6 +342,23 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                     return
         finally:
             self.events.unsubscribe(subscription)
+
+    async def _events_lost(self, context, subscription: Subscription) -> None:
+        """Ends the stream of a watcher that lost events: it watches again with a replay."""
+        peer = context.peer() or "?"
+        self._limiter.warning(
+            f"{log_source(peer)}/events-lost",
+            "watcher %s fell behind and lost %d events (its queue holds %d); its stream ends "
+            "so that it watches again with a replay",
+            peer,
+            subscription.lost,
+            subscription.queue.maxsize,
+        )
+        await context.abort(
+            grpc.StatusCode.ABORTED,
+            f"{EVENTS_LOST}: this watcher fell behind and lost {subscription.lost} events "
+            f"(its queue holds {subscription.queue.maxsize}); watch again with replay",
+        )
 
     async def _replay(self, layout: bytes | None) -> AsyncIterator[pb.BlockEvents]:
         """Announces what the tiers hold now, in batches; the last says ``replay_done``.
