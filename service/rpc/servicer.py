@@ -29,11 +29,12 @@ import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.proto.contract import EVENTS_LOST, HASH_BYTES, pid_namespace
+from kvtier.proto.contract import HASH_BYTES, pid_namespace
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import STORED, BlockEvent, EventHub, Subscription
+from kvtier.service.events import EventHub
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
+from kvtier.service.rpc.watch import EventStreams
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
 from kvtier.service.sessions import OwnershipError, SessionError
 from kvtier.service.stats.metrics import Metrics
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 GET_CHUNK = 8
 """Blocks a ``Get`` holds at once: bounds the daemon's memory per stream."""
-WATCH_BATCH = 1024
 INLINE_BATCH = 256
 """Batches up to this many hashes or slots may be served on the event loop; larger go to a
 thread."""
@@ -81,6 +81,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
         self._lookups = ThreadPoolExecutor(LOOKUP_WORKERS, thread_name_prefix="kvtier-lookup")
         self._limiter = RateLimitedLog(log, interval_s=10.0)
+        self._watch = EventStreams(events, daemon.store.layouts, self._run, self._limiter)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -308,104 +309,14 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         )
 
     async def WatchEvents(self, request: pb.WatchRequest, context) -> AsyncIterator:
-        try:
-            if isinstance(request, Refused):
-                raise RequestError(request.code, request.message, request.kind)
-            layout = bytes(request.layout_signature) or None
-            if layout is not None and len(layout) != 16:
-                raise RequestError(
-                    grpc.StatusCode.INVALID_ARGUMENT, "layout_signature must be 16 bytes"
-                )
-            subscription = self.events.subscribe(layout)
-        except REFUSALS as exc:
-            await context.abort(*status_of(exc))
-        try:
-            if request.replay:
-                async for batch in self._replay(layout):
-                    if subscription.lost:
-                        break
-                    yield batch
-            queue = subscription.queue
-            while True:
-                if subscription.lost:
-                    await self._events_lost(context, subscription)
-                event = await queue.get()
-                batch = []
-                while event is not None:
-                    batch.append(_event(event))
-                    if len(batch) >= WATCH_BATCH or queue.empty():
-                        break
-                    event = queue.get_nowait()
-                if batch:
-                    yield pb.BlockEvents(events=batch)
-                if event is None:
-                    return
-        finally:
-            self.events.unsubscribe(subscription)
-
-    async def _events_lost(self, context, subscription: Subscription) -> None:
-        """Ends the stream of a watcher that lost events: it watches again with a replay."""
-        peer = context.peer() or "?"
-        self._limiter.warning(
-            f"{log_source(peer)}/events-lost",
-            "watcher %s fell behind and lost %d events (its queue holds %d); its stream ends "
-            "so that it watches again with a replay",
-            peer,
-            subscription.lost,
-            subscription.queue.maxsize,
-        )
-        await context.abort(
-            grpc.StatusCode.ABORTED,
-            f"{EVENTS_LOST}: this watcher fell behind and lost {subscription.lost} events "
-            f"(its queue holds {subscription.queue.maxsize}); watch again with replay",
-        )
-
-    async def _replay(self, layout: bytes | None) -> AsyncIterator[pb.BlockEvents]:
-        """Announces what the tiers hold now, in batches; the last says ``replay_done``.
-
-        The caller subscribed first, so a block stored or removed meanwhile is also in its
-        live queue: a router may see a block announced twice, never miss one.
-        """
-        stores = [s for s in self.daemon.store.layouts() if layout in (None, s.signature)]
-        for store in stores:
-            after: bytes | None = None
-            while True:
-                found = await self._run(functools.partial(store.snapshot, after, WATCH_BATCH))
-                if not found:
-                    break
-                yield pb.BlockEvents(
-                    events=[
-                        pb.BlockEvent(
-                            kind=pb.BlockEvent.STORED,
-                            tier=tier,
-                            hash=block_hash,
-                            meta=meta,
-                            layout_signature=store.signature,
-                        )
-                        for tier, block_hash, meta in found
-                    ]
-                )
-                disk = [h for tier, h, _ in found if tier != "host"]
-                if not disk:
-                    break
-                after = disk[-1]
-        yield pb.BlockEvents(replay_done=True)
+        async for batch in self._watch.stream(request, context):
+            yield batch
 
     def _slots(self, request: pb.SlotsRequest) -> list[int]:
         return check_slots(request.slots, self._max_slots(), self.max)
 
     def _max_slots(self) -> int:
         return max((s.num_slots for s in self.daemon.store.layouts()), default=0)
-
-
-def _event(event: BlockEvent) -> pb.BlockEvent:
-    return pb.BlockEvent(
-        kind=pb.BlockEvent.STORED if event.kind == STORED else pb.BlockEvent.REMOVED,
-        tier=event.tier,
-        hash=event.hash,
-        meta=event.meta,
-        layout_signature=event.layout,
-    )
 
 
 def _heavy(packed_hashes: bytes) -> bool:
