@@ -4,10 +4,13 @@ the commit, or counted missed if it never comes."""
 
 from __future__ import annotations
 
+import argparse
 import uuid
 
 import numpy as np
+import pytest
 
+from kvtier.service import config
 from kvtier.service.pins import PENDING_S, LayoutPins
 from kvtier.tiers.host.tier import HostTier
 
@@ -118,3 +121,13 @@ def test_a_pin_of_a_block_that_never_comes_is_missed_and_gives_its_budget_back()
     store(host, block)
     assert pins.pin("a", block, 60.0) == (1, 0)
     assert pins.pinned_blocks == 1
+
+
+def test_pin_share_is_a_setting_checked_at_start() -> None:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    assert config.from_args(parser.parse_args(["--pin-share", "0.5"])).pin_share == 0.5
+    assert config.DaemonConfig().pin_share == 0.25
+    for bad in (0.0, 1.5):
+        with pytest.raises(config.ConfigError, match="pin_share"):
+            config.DaemonConfig(pin_share=bad)
