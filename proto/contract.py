@@ -16,6 +16,8 @@ HASH_BYTES = 16
 DEFAULT_NAME = "default"
 MAX_HASHES = 65536
 """Most hashes or slots one call may carry (a 1 MiB packed ``hashes`` field)."""
+MAX_PIN_S = 3600.0
+"""Longest pin one ``Pin`` may ask for (an agent's context between its calls, not a store)."""
 MIN_BLOCK_BYTES = 4096
 """Smallest block a daemon accepts: it bounds the number of slots (and their state) per arena."""
 MAX_MESSAGE_BYTES = 256 << 20

@@ -84,6 +84,11 @@ class KvTierStub:
                 request_serializer=kvtier__pb2.CancelRequest.SerializeToString,
                 response_deserializer=kvtier__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvtier.v1.KvTier/Pin',
+                request_serializer=kvtier__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvtier__pb2.PinResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvtier.v1.KvTier/Put',
                 request_serializer=kvtier__pb2.PutRequest.SerializeToString,
@@ -179,6 +184,15 @@ class KvTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Keeps the committed blocks among `hashes` in the host tier for `seconds` (never evicted
+        before then), within the session's pin budget; a block still being written is pinned at
+        its commit. Pins outlive the session that made them and lapse at their deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request_iterator, context):
         """Bytes through gRPC: store blocks (reserve + write + commit in the daemon).
         """
@@ -259,6 +273,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=kvtier__pb2.CancelRequest.FromString,
                     response_serializer=kvtier__pb2.CancelResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvtier__pb2.PinRequest.FromString,
+                    response_serializer=kvtier__pb2.PinResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -551,6 +570,33 @@ class KvTier:
             '/kvtier.v1.KvTier/Cancel',
             kvtier__pb2.CancelRequest.SerializeToString,
             kvtier__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvtier.v1.KvTier/Pin',
+            kvtier__pb2.PinRequest.SerializeToString,
+            kvtier__pb2.PinResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -101,6 +101,8 @@ class DaemonConfig:
     """WatchEvents subscribers at once."""
     session_slot_share: float = 0.5
     """Most of a layout's slots one session may hold reserved, and as many acquired."""
+    pin_share: float = 0.25
+    """Most of a layout's slots one session may keep pinned (``Pin``, agents' contexts)."""
     lookup_hold_s: float = 5.0
     """How long a lookup's host hits stay pinned for the acquire that follows (0: not)."""
     admission: str = DEFAULT_POLICY
@@ -146,6 +148,8 @@ class DaemonConfig:
             )
         if not 0 < self.session_slot_share <= 1:
             raise ConfigError("session_slot_share", "session_slot_share must be in (0, 1]")
+        if not 0 < self.pin_share <= 1:
+            raise ConfigError("pin_share", "pin_share must be in (0, 1]")
         if self.stats_port is not None and not -1 <= self.stats_port <= 65535:
             raise ConfigError(
                 "stats_port", f"stats_port must be in -1..65535, not {self.stats_port}"
@@ -350,6 +354,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--session-slot-share",
         help="most of a layout's slots one session may hold reserved or acquired (default 0.5)",
+    )
+    add(
+        "--pin-share",
+        help="most of a layout's slots one session may keep pinned for its requests "
+        f"(kv_transfer_params pin_s) (default {d.pin_share})",
     )
     add(
         "--remote",

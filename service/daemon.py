@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kvtier.proto.contract import PROTOCOL_VERSION
+from kvtier.proto.contract import MAX_PIN_S, PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
 from kvtier.service.fence import Fence
 from kvtier.service.layout_store import LayoutStore
+from kvtier.service.pins import LayoutPins, PinResult
 from kvtier.service.rpc.wire import check_hash, invalid
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
@@ -49,6 +50,7 @@ class Daemon:
         self.sessions = SessionTable(config.lease_s, config.max_sessions)
         self.daemon_id = uuid.uuid4().hex
         self.fence = Fence(self._give_back)
+        self.pins: dict[bytes, LayoutPins] = {}
         self._started = time.monotonic()
 
     # ---- sessions ----
@@ -88,6 +90,9 @@ class Daemon:
         store = self.store.open_layout(signature, block_bytes)
         if store.host.reclaim is None:
             store.host.reclaim = partial(self._yield_hold, store)
+        if signature not in self.pins:
+            budget = max(1, int(store.num_slots * self.config.pin_share))
+            self.pins.setdefault(signature, LayoutPins(store.host, budget))
         session = self.sessions.open(
             client_name[:128],
             signature,
@@ -140,6 +145,8 @@ class Daemon:
         self.fence.sweep()
         for layout, slots in self.sessions.expire_holds(now):
             self._give_back(Leftovers(layout, [], [], held=slots))
+        for pins in list(self.pins.values()):
+            pins.sweep()
         ended = self.sessions.reap()
         for session, left in ended:
             self.fence.hold(left)
@@ -220,6 +227,7 @@ class Daemon:
     def commit(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
         session = self.sessions.take_reserved(session_id, slots, peer)
         self._store(session).commit(slots)
+        self.pins[session.layout].committed()
 
     def abort(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
         session = self.sessions.take_reserved(session_id, slots, peer)
@@ -258,6 +266,18 @@ class Daemon:
                 )
             )
         return len(slots)
+
+    def pin(
+        self, session_id: str, hashes: Sequence[bytes], seconds: float, peer: str = ""
+    ) -> PinResult:
+        """Keeps the committed blocks among ``hashes`` in the host tier for ``seconds``,
+        within the session's pin budget (``pins``)."""
+        if not 0 < seconds <= MAX_PIN_S:
+            raise invalid(f"a pin lasts more than 0 and at most {MAX_PIN_S:g} seconds")
+        for h in hashes:
+            check_hash(h)
+        session = self.sessions.get(session_id, peer)
+        return self.pins[session.layout].pin(session_id, hashes, seconds)
 
     def put(
         self, session_id: str, block_hash: bytes, meta: bytes, data: bytes, peer: str = ""
@@ -313,6 +333,7 @@ class Daemon:
                     "holds_refused": self.sessions.holds_refused[store.signature],
                     "holds_expired": self.sessions.holds_expired[store.signature],
                     "holds_yielded": self.sessions.holds_yielded[store.signature],
+                    **self._pin_stats(store.signature),
                 }
             )
         sessions, reserved, acquired, _ = self.sessions.held()
@@ -329,6 +350,16 @@ class Daemon:
         }
 
     # ---- internals ----
+
+    def _pin_stats(self, layout: bytes) -> dict:
+        pins = self.pins.get(layout)
+        if pins is None:
+            return {"pinned_blocks": 0, "pins_refused": 0, "pins_missed": 0}
+        return {
+            "pinned_blocks": pins.pinned_blocks,
+            "pins_refused": pins.refused,
+            "pins_missed": pins.missed,
+        }
 
     def _yield_hold(self, store: LayoutStore) -> bool:
         """Ends the layout's oldest lookup hold (a promotion found every slot pinned)."""

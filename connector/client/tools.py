@@ -1,12 +1,14 @@
 """``DaemonClient``'s calls off the engine's load and store path: bytes through gRPC rather
-than the arena (a client that cannot map it: another host, a test), Stats, and the block event
-stream (routers' announcements). They share the session, breaker and failure handling of
+than the arena (a client that cannot map it: another host, a test), pins, Stats, and the block
+event stream (routers' announcements). They share the session, breaker and failure handling of
 ``daemon_client.py`` through the attributes named below.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import grpc
 
@@ -66,6 +68,40 @@ class ToolCalls:
         except grpc.RpcError as exc:
             self._failed("Get", exc, session)
         return blocks
+
+    def pin(self, hashes: Sequence[BlockHash], seconds: float) -> Future[tuple[int, int]]:
+        """Asks the daemon to keep these blocks in its host tier for ``seconds``, within this
+        session's pin budget, without waiting: the future gives (pinned, refused) once the
+        daemon has answered ((0, 0) for what it could not be asked). It never raises."""
+        result: Future[tuple[int, int]] = Future()
+        session = self._usable(bool(hashes))
+        if session is None or not hashes:
+            result.set_result((0, 0))
+            return result
+        step = self._keeper.limits.max_hashes
+        chunks = [hashes[i : i + step] for i in range(0, len(hashes), step)]
+        answers: list[tuple[int, int]] = []
+        lock = threading.Lock()
+
+        def answered(call: grpc.Future) -> None:
+            try:
+                reply = call.result()
+                answer = (reply.pinned, reply.refused)
+            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    self._failed("Pin", exc, session)
+                answer = (0, 0)
+            with lock:
+                answers.append(answer)
+                last = len(answers) == len(chunks)
+            if last:
+                result.set_result((sum(a[0] for a in answers), sum(a[1] for a in answers)))
+
+        for chunk in chunks:
+            request = pb.PinRequest(session_id=session, hashes=pack_hashes(chunk), seconds=seconds)
+            call = self._stub.Pin.future(request, timeout=self.timeout_s, metadata=self._metadata)
+            call.add_done_callback(answered)
+        return result
 
     def stats(self) -> pb.StatsResponse | None:
         """The daemon's counters, or None if it cannot be reached."""

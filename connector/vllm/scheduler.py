@@ -40,6 +40,7 @@ from kvtier.connector.vllm.groups import KVGroup, alignment_tokens
 from kvtier.connector.vllm.hit_planner import HitPlanner
 from kvtier.connector.vllm.identity import ModelIdentity
 from kvtier.connector.vllm.metadata import KVTierMetadata, StoreSpec
+from kvtier.connector.vllm.pins import RequestPins
 from kvtier.connector.vllm.request import RequestState
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats, breaker_trips
 
@@ -90,6 +91,7 @@ class SchedulerSide:
                         layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
                     )
         self.client = self.clients[groups[0].layout.signature]
+        self.pins = RequestPins(groups, self.clients)
         for client in self.clients.values():
             if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
                 log.warning(
@@ -282,6 +284,7 @@ class SchedulerSide:
         # left, if that load proved good.
         state.block_ids = [list(block_ids[group.index]) for group in self.groups]
         self._stores += self._store_specs(state, request.num_computed_tokens)
+        self.pins.finished(state, stores_pending=state.stores_issued)
         if not state.stores_issued:
             return False
         self._delay_free_new.add(request.request_id)
@@ -317,6 +320,7 @@ class SchedulerSide:
             state.load = None
         for req_id in output.finished_sending or ():
             self._delayed_free.discard(req_id)
+            self.pins.sent(req_id)
 
     def _follow_worker_trips(self, reported: KVTierStats | None) -> None:
         """A worker in a process of its own waited out a deadline: lookups sent now would

@@ -29,6 +29,7 @@ REQUEST_LIMITS = {
     "Lookup": _HASHES,
     "Acquire": _HASHES,
     "Get": _HASHES,
+    "Pin": _HASHES,
     "Reserve": _HASHES + RESERVE_META_BYTES,
     "Commit": _SLOTS,
     "Abort": _SLOTS,

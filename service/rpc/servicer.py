@@ -248,6 +248,13 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         returned = self.daemon.cancel(request.session_id, request.call_id, session_peer(context))
         return pb.CancelResponse(returned=returned)
 
+    @unary
+    async def Pin(self, request: pb.PinRequest, context) -> pb.PinResponse:
+        pin = functools.partial(self.daemon.pin, request.session_id, peer=session_peer(context))
+        heavy = _heavy(request.hashes)
+        result = await self._run(lambda: pin(self._hashes(request), request.seconds), heavy)
+        return pb.PinResponse(pinned=result.pinned, refused=result.refused)
+
     # ---- blocks as bytes ----
 
     @unary

@@ -82,6 +82,7 @@ class StatsCollector(Collector):
             for layout in stats["layouts"]:
                 family.add_metric([layout["layout"]], layout[name])
             yield family
+        yield from _pin_metrics(stats["layouts"])
         yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
         yield GaugeMetricFamily(
             "kvtier_reserved_slots",
@@ -106,6 +107,24 @@ class StatsCollector(Collector):
             "Block events a slow watcher lost",
             value=stats["events_dropped"],
         )
+
+
+def _pin_metrics(layouts: list[dict]) -> Iterator[Metric]:
+    """Sessions' pins per layout: blocks kept now, and pins refused or missed so far."""
+    pinned = GaugeMetricFamily(
+        "kvtier_pinned_blocks", "Host blocks kept by sessions' pins", labels=["layout"]
+    )
+    refused = CounterMetricFamily(
+        "kvtier_pins_refused", "Pins beyond a session's pin budget", labels=["layout"]
+    )
+    missed = CounterMetricFamily(
+        "kvtier_pins_missed", "Pins of blocks the host tier never held committed", labels=["layout"]
+    )
+    for layout in layouts:
+        pinned.add_metric([layout["layout"]], layout["pinned_blocks"])
+        refused.add_metric([layout["layout"]], layout["pins_refused"])
+        missed.add_metric([layout["layout"]], layout["pins_missed"])
+    yield from (pinned, refused, missed)
 
 
 class Metrics:
