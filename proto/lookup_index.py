@@ -48,9 +48,17 @@ def _capacity_for(blocks: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, 4 * blocks - 1).bit_length())
 
 
-def _buckets(keys: np.ndarray, capacity: int) -> np.ndarray:
-    """Each hash's home record: its first 8 bytes (xxh3 output, uniform) modulo capacity."""
-    return keys.view(np.uint64)[::2] & np.uint64(capacity - 1)
+_MIX = np.uint64(0x9E37_79B9_7F4A_7C15)
+
+
+def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
+    """Each hash's home record, from its two 64-bit words (``[n, 2]``): both words mixed by a
+    multiplicative hash, so that hashes alike in either word (a test's, a caller's own) still
+    spread over the table instead of clustering into long probes."""
+    shift = np.uint64(64 - (capacity.bit_length() - 1))
+    with np.errstate(over="ignore"):
+        mixed = (words[:, 0] ^ (words[:, 1] * _MIX)) * _MIX
+    return (mixed >> shift).astype(np.int64) if capacity > 1 else np.zeros(len(words), np.int64)
 
 
 def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
@@ -115,7 +123,7 @@ class LookupIndexWriter:
     def _insert(self, key: bytes) -> int:
         """Writes ``key`` into the first never-used record from its home; returns the record."""
         table = self._table
-        record = int(_buckets(np.frombuffer(key, np.uint8), table.capacity)[0])
+        record = int(_buckets(np.frombuffer(key, np.uint64).reshape(1, 2), table.capacity)[0])
         mask = table.capacity - 1
         while table.words[record, 0] or table.words[record, 1]:
             record = (record + 1) & mask
@@ -210,7 +218,7 @@ class LookupIndexReader:
         want = np.frombuffer(packed, np.uint64).reshape(-1, 2)
         bits = np.zeros(len(want), np.uint8)
         pending = np.arange(len(want))
-        record = (want[:, 0] & np.uint64(table.capacity - 1)).astype(np.int64)
+        record = _buckets(want, table.capacity)
         for _ in range(MAX_PROBES):
             if not len(pending):
                 break

@@ -119,3 +119,17 @@ def test_a_daemon_publishes_its_host_and_disk_tiers_and_a_restart_finds_the_disk
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_hashes_alike_in_their_first_bytes_still_spread(tmp_path):
+    """Hashes that share their first 8 bytes (not xxh3 output) must not pile into one
+    cluster longer than a probe walks: every one of them is found."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=512)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        alike = [bytes(8) + i.to_bytes(8, "little") for i in range(1, 513)]
+        for x in alike:
+            writer.set(x, HOST)
+        assert reader.probe(alike).tolist() == [HOST] * len(alike)
+    finally:
+        writer.close()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import xxhash
 
 from kvtier.bench.daemon.command import start_daemon
 from kvtier.bench.gpu.connector import vllm_placement
@@ -46,10 +47,9 @@ class EndToEnd:
 
 
 def _hashes(client_index: int, request: int, count: int) -> list[bytes]:
-    return [
-        client_index.to_bytes(4, "little") + request.to_bytes(4, "little") + i.to_bytes(8, "little")
-        for i in range(count)
-    ]
+    """Block hashes as the connector makes them: xxh3 output, one chain per request."""
+    seed = f"e2e {client_index} {request}".encode()
+    return [xxhash.xxh3_128_digest(seed + i.to_bytes(8, "little")) for i in range(count)]
 
 
 def _client(
