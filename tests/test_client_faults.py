@@ -45,7 +45,7 @@ def test_a_frozen_daemon_still_answers_lookups_from_its_index_until_a_call_trips
     """The index is memory: a frozen daemon's probes still answer (a hint, which the acquire
     confirms); the first call waits out its deadline and opens the breaker, and from then on
     lookups miss at once like every call."""
-    client = daemon.client(timeout_s=TIMEOUT_S)
+    client = daemon.client(timeout_s=TIMEOUT_S, lookup_index=True)
     hashes = [block_hash("frozen-index", i) for i in range(4)]
     assert store(client, hashes) == hashes
     probed = client._lookups.probed

@@ -65,8 +65,9 @@ class DaemonClient(ToolCalls):
     chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
-    handed over to another's acquire. ``lookup_index=False`` asks every lookup of the daemon
-    rather than probing its shared-memory index first (``lookups``).
+    handed over to another's acquire. ``lookup_index=True`` probes the daemon's shared-memory
+    index first and calls only where it cannot answer (``lookups``); off by default until the
+    daemon's hit statistics count what probes answer.
     """
 
     def __init__(
@@ -84,7 +85,7 @@ class DaemonClient(ToolCalls):
         chunk_bytes: int = 256 << 20,
         map_arena: bool = True,
         engine_group: str = "",
-        lookup_index: bool = True,
+        lookup_index: bool = False,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
