@@ -284,10 +284,12 @@ class KVTierEngine:
         return self.finish_pass(workload, self.start_pass(workload))
 
     def daemon_reads(self) -> dict[str, int]:
-        """The daemon's reads per tier so far; empty if it is not running."""
+        """The daemon's reads per tier so far; empty if it is not running, or (restarted)
+        serves no layout yet."""
         if self.daemon.proc is None or self.daemon.proc.poll() is not None:
             return {}
-        return tier_reads(daemon_stats(self.daemon))
+        stats = daemon_stats(self.daemon)
+        return tier_reads(stats) if stats["layouts"] else {}
 
     def ensure_daemon(self) -> None:
         """Starts the daemon again (same data dir) if an earlier test left it dead or frozen."""
