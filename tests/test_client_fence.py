@@ -20,8 +20,8 @@ from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, load, store, 
 
 HOST_SLOTS = 4
 PAUSE_S = 12.0
-"""How long the engine with the late copy is paused: longer than the 10 s a lost session's
-slots used to be held, after which they were reused with no fence."""
+"""How long the engine with the late copy is paused: longer than a 10 s hold, so that the test
+fails wherever a lost session's slots are freed by a timer rather than fenced."""
 
 
 @pytest.fixture

@@ -240,6 +240,7 @@ class PassStart:
     vllm: dict[str, float]
     reads: dict[str, int]
     at: float
+    daemon_pid: int | None
 
 
 @dataclass(repr=False)
@@ -256,19 +257,21 @@ class KVTierEngine:
 
     def start_pass(self, workload: str) -> PassStart:
         w = WORKLOADS[workload]
-        start = PassStart(self.engine.metrics(), self.daemon_reads(), time.monotonic())
+        start = PassStart(
+            self.engine.metrics(), self.daemon_reads(), time.monotonic(), self.daemon_pid()
+        )
         self.engine.send("generate", w.prompts, w.max_tokens)
         return start
 
     def finish_pass(self, workload: str, start: PassStart) -> PassResult:
         outputs = self.engine.receive(HANG_GUARD_S)
         seconds = time.monotonic() - start.at
-        reads = self.daemon_reads()
+        # A daemon killed or restarted during the pass took its counters with it.
+        reads = self.daemon_reads() if self.daemon_pid() == start.daemon_pid else {}
         result = PassResult(
             outputs,
             seconds,
             delta(self.engine.metrics(), start.vllm),
-            # A daemon killed or restarted during the pass took its counters with it.
             {tier: reads[tier] - start.reads[tier] for tier in reads} if start.reads else {},
         )
         self.passes[workload] = result
@@ -283,11 +286,19 @@ class KVTierEngine:
     def run(self, workload: str) -> PassResult:
         return self.finish_pass(workload, self.start_pass(workload))
 
+    def daemon_pid(self) -> int | None:
+        """The running daemon's pid; None if it is not running."""
+        if self.daemon.proc is None or self.daemon.proc.poll() is not None:
+            return None
+        return self.daemon.proc.pid
+
     def daemon_reads(self) -> dict[str, int]:
-        """The daemon's reads per tier so far; empty if it is not running."""
+        """The daemon's reads per tier so far; empty if it is not running, or (restarted)
+        serves no layout yet."""
         if self.daemon.proc is None or self.daemon.proc.poll() is not None:
             return {}
-        return tier_reads(daemon_stats(self.daemon))
+        stats = daemon_stats(self.daemon)
+        return tier_reads(stats) if stats["layouts"] else {}
 
     def ensure_daemon(self) -> None:
         """Starts the daemon again (same data dir) if an earlier test left it dead or frozen."""
