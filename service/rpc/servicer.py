@@ -29,9 +29,10 @@ import grpc
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.proto.contract import EVENTS_LOST, HASH_BYTES, pid_namespace
+from kvtier.proto.contract import HASH_BYTES, pid_namespace
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import STORED, BlockEvent, EventHub, Subscription
+from kvtier.service.events import EventHub
+from kvtier.service.rpc import watch
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
@@ -43,7 +44,6 @@ log = logging.getLogger(__name__)
 
 GET_CHUNK = 8
 """Blocks a ``Get`` holds at once: bounds the daemon's memory per stream."""
-WATCH_BATCH = 1024
 INLINE_BATCH = 256
 """Batches up to this many hashes or slots may be served on the event loop; larger go to a
 thread."""
@@ -320,91 +320,19 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             await context.abort(*status_of(exc))
         try:
             if request.replay:
-                async for batch in self._replay(layout):
-                    if subscription.lost:
-                        break
+                stores = [s for s in self.daemon.store.layouts() if layout in (None, s.signature)]
+                async for batch in watch.replay(stores, subscription, self._run):
                     yield batch
-            queue = subscription.queue
-            while True:
-                if subscription.lost:
-                    await self._events_lost(context, subscription)
-                event = await queue.get()
-                batch = []
-                while event is not None:
-                    batch.append(_event(event))
-                    if len(batch) >= WATCH_BATCH or queue.empty():
-                        break
-                    event = queue.get_nowait()
-                if batch:
-                    yield pb.BlockEvents(events=batch)
-                if event is None:
-                    return
+            async for batch in watch.live(subscription, context, self._limiter):
+                yield batch
         finally:
             self.events.unsubscribe(subscription)
-
-    async def _events_lost(self, context, subscription: Subscription) -> None:
-        """Ends the stream of a watcher that lost events: it watches again with a replay."""
-        peer = context.peer() or "?"
-        self._limiter.warning(
-            f"{log_source(peer)}/events-lost",
-            "watcher %s fell behind and lost %d events (its queue holds %d); its stream ends "
-            "so that it watches again with a replay",
-            peer,
-            subscription.lost,
-            subscription.queue.maxsize,
-        )
-        await context.abort(
-            grpc.StatusCode.ABORTED,
-            f"{EVENTS_LOST}: this watcher fell behind and lost {subscription.lost} events "
-            f"(its queue holds {subscription.queue.maxsize}); watch again with replay",
-        )
-
-    async def _replay(self, layout: bytes | None) -> AsyncIterator[pb.BlockEvents]:
-        """Announces what the tiers hold now, in batches; the last says ``replay_done``.
-
-        The caller subscribed first, so a block stored or removed meanwhile is also in its
-        live queue: a router may see a block announced twice, never miss one.
-        """
-        stores = [s for s in self.daemon.store.layouts() if layout in (None, s.signature)]
-        for store in stores:
-            after: bytes | None = None
-            while True:
-                found = await self._run(functools.partial(store.snapshot, after, WATCH_BATCH))
-                if not found:
-                    break
-                yield pb.BlockEvents(
-                    events=[
-                        pb.BlockEvent(
-                            kind=pb.BlockEvent.STORED,
-                            tier=tier,
-                            hash=block_hash,
-                            meta=meta,
-                            layout_signature=store.signature,
-                        )
-                        for tier, block_hash, meta in found
-                    ]
-                )
-                disk = [h for tier, h, _ in found if tier != "host"]
-                if not disk:
-                    break
-                after = disk[-1]
-        yield pb.BlockEvents(replay_done=True)
 
     def _slots(self, request: pb.SlotsRequest) -> list[int]:
         return check_slots(request.slots, self._max_slots(), self.max)
 
     def _max_slots(self) -> int:
         return max((s.num_slots for s in self.daemon.store.layouts()), default=0)
-
-
-def _event(event: BlockEvent) -> pb.BlockEvent:
-    return pb.BlockEvent(
-        kind=pb.BlockEvent.STORED if event.kind == STORED else pb.BlockEvent.REMOVED,
-        tier=event.tier,
-        hash=event.hash,
-        meta=event.meta,
-        layout_signature=event.layout,
-    )
 
 
 def _heavy(packed_hashes: bytes) -> bool:
