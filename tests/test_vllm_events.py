@@ -23,10 +23,15 @@ from test_vllm_connector import BLOCK, BLOCK_BYTES, Engine, prompt
 from test_vllm_scheduler import flood
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+import kvtier.connector.client.daemon_client as client_module
+import kvtier.connector.vllm.events as events_module
 import kvtier.connector.vllm.scheduler as scheduler_module
+from kvtier.proto import kvtier_pb2 as pb
 
-from daemonutil import Daemon, free_port
+from daemonutil import BLOCK_BYTES as RAW_BLOCK_BYTES
+from daemonutil import SIGNATURE, Daemon, block_hash, content, free_port, wait_until
 from eventutil import Router, events_config, router_hashes
 
 pytestmark = pytest.mark.vllm
@@ -221,3 +226,118 @@ def test_an_engine_with_events_off_computes_no_block_identities(
     loud.run()
     assert loud.stats["stored_blocks"] == 4
     assert len(computed) == 4 and all(computed)
+
+
+# ---- an engine too slow for the daemon's events ----
+TAG = b"slowtag!"
+HOST_SLOTS = 64
+ON_DISK = 2048
+NEW = 3200  # about three events a block: past the 8,192 the daemon queues for a watcher
+
+
+def identity_of(block_hash: bytes) -> bytes:
+    """A router-sized identity (large token ids, as a long block's are) for one block."""
+    identity = events_module.BlockIdentity(
+        tag=TAG,
+        group=0,
+        block_hashes=[block_hash * 2],
+        parent=None,
+        token_ids=list(range(60_000, 60_100)),
+    )
+    return events_module.encode_identity(identity)
+
+
+def store_with_identities(client, hashes: list[bytes]) -> None:
+    """Stores every block with its identity, half the host slots at a time, waiting for room
+    while slots are pinned by their writes to disk."""
+    for i in range(0, len(hashes), HOST_SLOTS // 2):
+        pending = hashes[i : i + HOST_SLOTS // 2]
+
+        def stored_the_rest() -> bool:
+            nonlocal pending
+            slots = client.reserve(pending, [identity_of(h) for h in pending])
+            mine = [(h, s) for h, s in zip(pending, slots, strict=True) if s >= 0]
+            for h, s in mine:
+                client.slab[s].numpy()[:] = content(h)
+            assert client.commit([s for _, s in mine])
+            done = {h for h, _ in mine}
+            pending = [h for h in pending if h not in done]
+            return not pending
+
+        wait_until(stored_the_rest, "room in the host tier", 120)
+
+
+def test_an_engine_that_falls_behind_the_daemons_events_follows_again(monkeypatch) -> None:
+    """vLLM takes no events for a while (the engine is busy): the buffer fills, the daemon's
+    queue for this engine overflows during a disk tier's replay, and the daemon ends the
+    stream. The engine must follow again with a replay, so that the router's view ends equal
+    to what the tiers hold: the blocks whose events were lost included, those the disk tier
+    dropped meanwhile too."""
+    monkeypatch.setattr(events_module, "MAX_BUFFERED", 256)
+    daemon = Daemon(
+        host_bytes=HOST_SLOTS * RAW_BLOCK_BYTES,
+        disk_bytes=(ON_DISK + NEW // 2) * RAW_BLOCK_BYTES,  # the new blocks push old ones out
+        extra=["--no-disk-sync", "--flush-interval-s", "0.05"],
+    ).start()
+    try:
+        writer = daemon.client(client_name="writer")
+        old = [block_hash("on-disk", i) for i in range(ON_DISK)]
+        store_with_identities(writer, old)
+        wait_until(lambda: disk_blocks(daemon) == ON_DISK, "the disk writes", 120)
+        # Without window growth on the follower's channel, the stream stalls as soon as the
+        # follower stops reading (with it, gRPC would buffer the events in this process).
+        options = (*client_module._CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0))
+        with monkeypatch.context() as patch:
+            patch.setattr(client_module, "_CHANNEL_OPTIONS", options)
+            follower = daemon.client(client_name="follower")
+        tier_events = events_module.TierEvents([follower], lambda: {TAG: 0}, BLOCK)
+        try:
+            new = [block_hash("new", i) for i in range(NEW)]
+            store_with_identities(writer, new)
+            wait_until(lambda: daemon.stats().events_dropped > 0, "events lost", 120)
+            view = {MEDIUM_CPU: set(), MEDIUM_STORAGE: set()}
+
+            def caught_up() -> bool:
+                for event in tier_events.take():
+                    held = view[event.medium]
+                    if isinstance(event, BlockStored):
+                        held.update(event.block_hashes)
+                    else:
+                        held.difference_update(event.block_hashes)
+                return view == tiers_held(daemon)
+
+            wait_until(caught_up, "the router's view to equal the tiers", 120)
+            assert tier_events.lost >= 1
+            assert disk_tier(daemon).blocks_evicted > 0
+        finally:
+            tier_events.close()
+        writer.close()
+        follower.close()
+    finally:
+        daemon.cleanup()
+
+
+def disk_tier(daemon: Daemon):
+    return next(t for t in daemon.stats().tiers if t.tier == "disk")
+
+
+def disk_blocks(daemon: Daemon) -> int:
+    return disk_tier(daemon).used_blocks
+
+
+def tiers_held(daemon: Daemon) -> dict[str, set]:
+    """What the tiers hold, in the router's terms, as a new watch's replay reads them."""
+    held = {MEDIUM_CPU: set(), MEDIUM_STORAGE: set()}
+    channel, stub = daemon.stub()
+    with channel:
+        request = pb.WatchRequest(layout_signature=SIGNATURE, replay=True)
+        stream = stub.WatchEvents(request, timeout=120)
+        for batch in stream:
+            for event in batch.events:
+                held[events_module.MEDIUMS[event.tier]].add(
+                    maybe_convert_block_hash(event.hash * 2)
+                )
+            if batch.replay_done:
+                break
+        stream.cancel()
+    return held

@@ -18,7 +18,11 @@ tiers hold, through vLLM's publisher (``take_events``), so ``--kv-events-config`
   (it is shared across nodes, and says nothing when it drops a block).
 
 When the stream breaks (a daemon restart) the host tier's announced blocks are withdrawn, and
-the replay on reconnection announces the disk tier again.
+the replay on reconnection announces the disk tier again. When the daemon ends the stream
+because this engine fell behind and lost events (``ABORTED``, ``contract.EVENTS_LOST``), it
+watches again at once. Either way, once a new replay is done, every block it announced before
+and the replay did not announce again is withdrawn, so the router's view is the tiers' again.
+For that it keeps, per block announced, vLLM's hashes and group (a few hundred bytes a block).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from vllm.v1.core.kv_cache_utils import (
 
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.contract import EVENTS_LOST
 from kvtier.tiers.lower import MAX_META_BYTES
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,14 @@ class BlockIdentity(msgspec.Struct, array_like=True, omit_defaults=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(BlockIdentity)
+
+Shown = dict[str, dict[bytes, tuple[int, list[bytes]]]]
+"""Per medium, the blocks announced: kvtier hash -> (KV cache group, vLLM's block hashes)."""
+
+
+def encode_identity(identity: BlockIdentity) -> bytes:
+    """The meta a block is stored with (``decode_identity`` reads it)."""
+    return _MAGIC + _encoder.encode(identity)
 
 
 def identities(
@@ -112,7 +125,7 @@ def identities(
             lora_name=lora.name if lora else None,
             extra_keys=to_event_extra_keys(extra),
         )
-        meta = _MAGIC + _encoder.encode(identity)
+        meta = encode_identity(identity)
         metas.append(meta if len(meta) <= MAX_META_BYTES else b"")
     return tuple(metas)
 
@@ -147,6 +160,8 @@ class TierEvents:
         self._closed = threading.Event()
         self._calls: dict[int, Any] = {}
         self.undecodable = 0
+        self.lost = 0
+        """Streams the daemon ended because this engine fell behind and lost events."""
         self._threads = [
             threading.Thread(
                 target=self._follow, args=(i, client), name=f"kvtier-events-{i}", daemon=True
@@ -174,8 +189,10 @@ class TierEvents:
             thread.join(timeout=5)
 
     def _follow(self, index: int, client: DaemonClient) -> None:
-        """Subscribes (with a replay), translates until the stream ends, withdraws the host
-        blocks it announced, and subscribes again once the client has a session."""
+        """Subscribes (with a replay) and translates until the stream ends; then subscribes
+        again: at once if it ended for events lost, else (withdrawing the host blocks it
+        announced) once the client has a session."""
+        shown: Shown = {MEDIUM_CPU: {}, MEDIUM_STORAGE: {}}
         while not self._closed.is_set():
             client.wait_connected(1.0)
             opened = client.sessions_opened
@@ -184,16 +201,26 @@ class TierEvents:
                 self._closed.wait(0.5)
                 continue
             self._calls[index] = call
-            announced: dict[bytes, BlockIdentity] = {}
+            replayed: dict[str, set[bytes]] | None = {MEDIUM_CPU: set(), MEDIUM_STORAGE: set()}
+            lost = False
             try:
                 for batch in call:
-                    self._translate(batch, announced)
+                    self._translate(batch, shown, replayed)
+                    if batch.replay_done and replayed is not None:
+                        self._withdraw_unseen(shown, replayed)
+                        replayed = None
             except grpc.RpcError as exc:
-                if not self._closed.is_set():
+                lost = _events_lost(exc)
+                if lost:
+                    self.lost += 1
+                    log.warning("kvtier: %s; following again with a replay", exc.details())
+                elif not self._closed.is_set():
                     log.info("kvtier event stream ended (%s); following again", exc.code())
             finally:
                 del self._calls[index]
-            self._put([self._event(identity, MEDIUM_CPU, False) for identity in announced.values()])
+            if lost:
+                continue
+            self._withdraw(shown[MEDIUM_CPU], MEDIUM_CPU, list(shown[MEDIUM_CPU]))
             # A daemon that restarted knows this layout only once the client's new session
             # opened it: its replay would be empty before that.
             deadline = time.monotonic() + _RESUBSCRIBE_WAIT_S
@@ -201,7 +228,11 @@ class TierEvents:
                 if self._closed.wait(0.1):
                     return
 
-    def _translate(self, batch: pb.BlockEvents, announced: dict[bytes, BlockIdentity]) -> None:
+    def _translate(
+        self, batch: pb.BlockEvents, shown: Shown, replayed: dict[str, set[bytes]] | None
+    ) -> None:
+        """Turns a batch into vLLM's events; keeps ``shown`` (and, during a replay,
+        ``replayed``: what the replay announced) up to date."""
         tags = self._tags()
         events = []
         for event in batch.events:
@@ -215,12 +246,34 @@ class TierEvents:
             if tags.get(identity.tag) != identity.group:
                 continue
             stored = event.kind == pb.BlockEvent.STORED
-            if medium == MEDIUM_CPU:
-                if stored:
-                    announced[event.hash] = identity
-                else:
-                    announced.pop(event.hash, None)
+            if stored:
+                shown[medium][event.hash] = (identity.group, identity.block_hashes)
+                if replayed is not None:
+                    replayed[medium].add(event.hash)
+            else:
+                shown[medium].pop(event.hash, None)
             events.append(self._event(identity, medium, stored))
+        self._put(events)
+
+    def _withdraw_unseen(self, shown: Shown, replayed: dict[str, set[bytes]]) -> None:
+        """After a replay: withdraws what was announced before and is not held any more."""
+        for medium, blocks in shown.items():
+            self._withdraw(blocks, medium, [h for h in blocks if h not in replayed[medium]])
+
+    def _withdraw(
+        self, blocks: dict[bytes, tuple[int, list[bytes]]], medium: str, hashes: list[bytes]
+    ) -> None:
+        """Announces the removal of ``hashes`` from ``blocks`` (announced in ``medium``)."""
+        events = []
+        for block_hash in hashes:
+            group, vllm_hashes = blocks.pop(block_hash)
+            events.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in vllm_hashes],
+                    medium=medium,
+                    group_idx=group,
+                )
+            )
         self._put(events)
 
     def _event(self, identity: BlockIdentity, medium: str, stored: bool) -> KVCacheEvent:
@@ -247,3 +300,15 @@ class TierEvents:
             while len(self._events) >= MAX_BUFFERED and not self._closed.is_set():
                 self._room.wait()
             self._events.extend(events)
+
+
+def _events_lost(exc: grpc.RpcError) -> bool:
+    """Whether the daemon ended the stream because this watcher lost events."""
+    code = getattr(exc, "code", None)
+    details = getattr(exc, "details", None)
+    return (
+        callable(code)
+        and code() == grpc.StatusCode.ABORTED
+        and callable(details)
+        and (details() or "").startswith(EVENTS_LOST)
+    )

@@ -32,9 +32,9 @@ from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.contract import HASH_BYTES, pid_namespace
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
+from kvtier.service.rpc import watch
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
-from kvtier.service.rpc.watch import EventStreams
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
 from kvtier.service.sessions import OwnershipError, SessionError
 from kvtier.service.stats.metrics import Metrics
@@ -81,7 +81,6 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
         self._lookups = ThreadPoolExecutor(LOOKUP_WORKERS, thread_name_prefix="kvtier-lookup")
         self._limiter = RateLimitedLog(log, interval_s=10.0)
-        self._watch = EventStreams(events, daemon.store.layouts, self._run, self._limiter)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -316,8 +315,26 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         )
 
     async def WatchEvents(self, request: pb.WatchRequest, context) -> AsyncIterator:
-        async for batch in self._watch.stream(request, context):
-            yield batch
+        try:
+            if isinstance(request, Refused):
+                raise RequestError(request.code, request.message, request.kind)
+            layout = bytes(request.layout_signature) or None
+            if layout is not None and len(layout) != 16:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "layout_signature must be 16 bytes"
+                )
+            subscription = self.events.subscribe(layout)
+        except REFUSALS as exc:
+            await context.abort(*status_of(exc))
+        try:
+            if request.replay:
+                stores = [s for s in self.daemon.store.layouts() if layout in (None, s.signature)]
+                async for batch in watch.replay(stores, subscription, self._run):
+                    yield batch
+            async for batch in watch.live(subscription, context, self._limiter):
+                yield batch
+        finally:
+            self.events.unsubscribe(subscription)
 
     def _slots(self, request: pb.SlotsRequest) -> list[int]:
         return check_slots(request.slots, self._max_slots(), self.max)
