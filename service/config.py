@@ -119,6 +119,9 @@ class DaemonConfig:
     remote_transfer_timeout_s: float = 5.0
     remote_queue_bytes: ByteSize = 256 << 20
     """Blocks waiting to be written to the store beyond this are dropped (and counted)."""
+    disk_read_delay_ms: float = 0.0
+    """Fault injection for tests and demonstrations: every disk read waits this long first,
+    as a crawling disk would. 0 in service."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -138,6 +141,8 @@ class DaemonConfig:
         for name in ("max_layouts", "max_sessions", "max_watchers"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.disk_read_delay_ms < 0:
+            raise ConfigError("disk_read_delay_ms", "disk_read_delay_ms must be >= 0")
         if self.lookup_hold_s < 0:
             raise ConfigError("lookup_hold_s", "lookup_hold_s must be >= 0")
         if self.admission not in POLICIES:
@@ -373,6 +378,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"longest wait for a get or a write batch (default {d.remote_transfer_timeout_s})",
     )
     add("--remote-queue-bytes", help="writes waiting for the store before drops (default 256MiB)")
+    add(
+        "--disk-read-delay-ms",
+        help="fault injection: delay every disk read by this many ms, a crawling disk "
+        "(tests and demonstrations; default 0)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> DaemonConfig:

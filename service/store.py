@@ -120,6 +120,7 @@ class BlockStore:
                 flush_interval_s=config.flush_interval_s,
                 remote=config.remote_config(),
                 admission=config.admission,
+                disk_read_delay_s=config.disk_read_delay_ms / 1000,
             )
         except BaseException:
             arena.close()
