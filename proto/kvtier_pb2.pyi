@@ -231,7 +231,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "query_tokens", "hit_tokens", "blocks_stored", "blocks_loaded", "blocks_evicted", "blocks_spilled", "blocks_promoted", "blocks_deduplicated", "bytes_in", "bytes_out", "checksum_failures", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "blocks_dropped", "other", "layout")
+    __slots__ = ("tier", "query_tokens", "hit_tokens", "blocks_stored", "blocks_loaded", "blocks_evicted", "blocks_spilled", "blocks_promoted", "blocks_deduplicated", "bytes_in", "bytes_out", "checksum_failures", "used_blocks", "capacity_blocks", "used_bytes", "capacity_bytes", "blocks_dropped", "other", "layout", "oldest_block_age_s", "read_bytes_per_s")
     class OtherEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,8 @@ class TierStats(_message.Message):
     BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     OTHER_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_BLOCK_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     tier: str
     query_tokens: int
     hit_tokens: int
@@ -277,7 +279,9 @@ class TierStats(_message.Message):
     blocks_dropped: int
     other: _containers.ScalarMap[str, int]
     layout: str
-    def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ..., layout: _Optional[str] = ...) -> None: ...
+    oldest_block_age_s: float
+    read_bytes_per_s: float
+    def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ..., layout: _Optional[str] = ..., oldest_block_age_s: _Optional[float] = ..., read_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
     __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind", "held_slots", "holds_refused", "holds_expired", "holds_yielded", "pinned_blocks", "pins_refused", "pins_missed")

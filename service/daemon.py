@@ -316,7 +316,11 @@ class Daemon:
                 if left.layout == store.signature
             )
             for counters in store.tier_counters():
-                tiers.append({**counters.as_dict(), "layout": store.hex})
+                tier = {**counters.as_dict(), "layout": store.hex}
+                age = store.oldest_block_age_s(counters.tier)
+                if age is not None:
+                    tier["oldest_block_age_s"] = age
+                tiers.append(tier)
             layouts.append(
                 {
                     "layout": store.hex,

@@ -59,6 +59,7 @@ class LayoutStore:
         remote: RemoteConfig | None = None,
         admission: str = DEFAULT_POLICY,
         index: Path | None = None,
+        disk_read_delay_s: float = 0.0,
     ):
         """``index``: where to publish the lookup index (``proto.lookup_index``); None: not
         published."""
@@ -71,7 +72,9 @@ class LayoutStore:
         self.disk: DiskTier | None = None
         self.disk_state = "off"
         if disk_path is not None and disk_bytes > 0:
-            self.disk = self._open_disk(disk_path, disk_bytes, disk_sync, flush_interval_s)
+            self.disk = self._open_disk(
+                disk_path, disk_bytes, disk_sync, flush_interval_s, disk_read_delay_s
+            )
         self.remote: RemoteTier | None = None
         if remote is not None:
             self.remote = remote.open_tier(
@@ -110,6 +113,12 @@ class LayoutStore:
     def tier_counters(self) -> list[TierCounters]:
         """Every tier's counters, the disk's even when it is off or empty (capacity 0)."""
         return list(self.counters.values())
+
+    def oldest_block_age_s(self, tier: str) -> float | None:
+        """Seconds since the tier's least recently used block was last used; None where the
+        tier keeps no such time (the disk's LMDB order and the remote store's own LRU keep
+        an order, not times)."""
+        return self.host.oldest_block_age_s() if tier == HOST else None
 
     # ---- operations (the daemon has validated ownership and arguments) ----
 
@@ -206,7 +215,7 @@ class LayoutStore:
     # ---- internals ----
 
     def _open_disk(
-        self, path: Path, budget: int, sync: bool, flush_interval_s: float
+        self, path: Path, budget: int, sync: bool, flush_interval_s: float, read_delay_s: float
     ) -> DiskTier | None:
         """The disk tier, or None (host only, said in stats and the log) if it cannot open."""
         try:
@@ -219,6 +228,7 @@ class LayoutStore:
                 self._disk_event,
                 sync=sync,
                 flush_interval_s=flush_interval_s,
+                read_delay_s=read_delay_s,
             )
         except (OSError, RuntimeError, ValueError, lmdb.Error) as exc:
             # lmdb.Error: LMDB's own ENOSPC or map-full at open, which the disk tier raises

@@ -32,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.service import config as config_mod
+from kvtier.service import flags
 from kvtier.service.arena import ArenaError
 from kvtier.service.config import DEFAULT_STATS_PORT, ConfigError, DaemonConfig
 from kvtier.service.daemon import Daemon
@@ -64,7 +64,7 @@ class StartError(RuntimeError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    config_mod.add_arguments(parser)
+    flags.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     # behind one pays it (``kvtier bench daemon``'s small_lookup_p99_ms shows it).
     sys.setswitchinterval(0.0005)
     try:
-        config = config_mod.from_args(args)
+        config = flags.from_args(args)
         asyncio.run(serve(config))
     except (StartError, ConfigError) as exc:
         log.error("kvtier serve: %s", exc)

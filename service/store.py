@@ -122,6 +122,7 @@ class BlockStore:
                 remote=config.remote_config(),
                 admission=config.admission,
                 index=index_path(config.socket_path, signature),
+                disk_read_delay_s=config.disk_read_delay_ms / 1000,
             )
         except BaseException:
             arena.close()

@@ -233,7 +233,7 @@ class ModelEngine:
         return request
 
     def step(self) -> bool:
-        self.connector.scheduler.wait_for_lookups(timeout=60)
+        self.connector.scheduler.hits.wait_for_lookups(timeout=60)
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         self.loads.record(meta)

@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvtier.service import config
+from kvtier.service import config, flags
 from kvtier.service.pins import PENDING_S, LayoutPins
 from kvtier.tiers.host.tier import HostTier
 
@@ -125,8 +125,8 @@ def test_a_pin_of_a_block_that_never_comes_is_missed_and_gives_its_budget_back()
 
 def test_pin_share_is_a_setting_checked_at_start() -> None:
     parser = argparse.ArgumentParser()
-    config.add_arguments(parser)
-    assert config.from_args(parser.parse_args(["--pin-share", "0.5"])).pin_share == 0.5
+    flags.add_arguments(parser)
+    assert flags.from_args(parser.parse_args(["--pin-share", "0.5"])).pin_share == 0.5
     assert config.DaemonConfig().pin_share == 0.25
     for bad in (0.0, 1.5):
         with pytest.raises(config.ConfigError, match="pin_share"):

@@ -10,6 +10,7 @@ import pytest
 
 from kvtier.bench.redis_server import RedisProcess, free_port
 from kvtier.service import config as daemon_config
+from kvtier.service import flags
 from kvtier.tiers.remote.config import PASSWORD_ENV, RemoteConfig, parse_url
 
 from redisutil import BLOCK_BYTES, FAST, SIGNATURE, assert_exact, block_hash, fetch, store
@@ -82,9 +83,9 @@ def test_daemon_flags_and_toml_keys_build_the_remote_config(tmp_path):
     assert cfg.endpoint.kind == "cluster" and cfg.password_file == tmp_path / "pw"
     assert cfg.settings.queue_bytes == 64 << 20 and cfg.settings.lookup_timeout_s == 0.2
     parser = argparse.ArgumentParser()
-    daemon_config.add_arguments(parser)
+    flags.add_arguments(parser)
     args = parser.parse_args(["--config", str(toml), "--remote", "rediss://cache"])
-    cfg = daemon_config.from_args(args).remote_config()
+    cfg = flags.from_args(args).remote_config()
     assert cfg.endpoint.tls and cfg.settings.transfer_timeout_s == 5.0
     assert daemon_config.load().remote_config() is None
     with pytest.raises(ValueError):

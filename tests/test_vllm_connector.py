@@ -177,7 +177,7 @@ class Engine:
         steps as vLLM does, never waiting.
         """
         if wait_for_lookups:
-            self.connector.scheduler.wait_for_lookups(timeout=60)
+            self.connector.scheduler.hits.wait_for_lookups(timeout=60)
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         worker = self.worker

@@ -156,7 +156,7 @@ class TPEngine(Engine):
 
     def step(self, wait_for_lookups: bool = True) -> bool:
         if wait_for_lookups:
-            self.connector.scheduler.wait_for_lookups(timeout=60)
+            self.connector.scheduler.hits.wait_for_lookups(timeout=60)
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         for worker in self.workers:
@@ -640,9 +640,9 @@ def test_lookup_never_blocks_the_scheduler(make_engine, daemon) -> None:
         # The daemon cannot answer: the step returns all the same, with "b" left waiting.
         assert not second.step(wait_for_lookups=False)
         assert request.status == RequestStatus.WAITING
-        assert second.connector.scheduler.lookups_in_flight == 1
+        assert second.connector.scheduler.hits.lookups_in_flight == 1
         assert not second.step(wait_for_lookups=False)
-        assert second.connector.scheduler.lookups_in_flight == 1
+        assert second.connector.scheduler.hits.lookups_in_flight == 1
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
     second.run()  # once the daemon answers, "b" gets its hit

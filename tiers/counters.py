@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+READ_RATE_WEIGHT = 0.2
+"""Weight of the newest read in ``read_bytes_per_s``: a few reads follow a change of device
+speed, and one stalled read does not swing the rate."""
+
 
 @dataclass(slots=True)
 class TierCounters:
@@ -39,6 +43,15 @@ class TierCounters:
     capacity_blocks: int = 0
     used_bytes: int = 0
     capacity_bytes: int = 0
+    read_bytes_per_s: float = 0.0
+    """Bytes a second the tier's reads have delivered lately (disk, remote): an EWMA over
+    reads, each its bytes over its wall time; 0.0 before the first read."""
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """Folds one read of ``nbytes`` that took ``seconds`` into ``read_bytes_per_s``."""
+        rate = nbytes / max(seconds, 1e-9)
+        last = self.read_bytes_per_s
+        self.read_bytes_per_s = rate if not last else last + READ_RATE_WEIGHT * (rate - last)
 
     def as_dict(self) -> dict[str, int | str]:
         """Returns every field as a plain dict (a snapshot)."""

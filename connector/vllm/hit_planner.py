@@ -1,6 +1,7 @@
-"""The scheduler side's lookups and load plans: what kvtier can load for a request, and the
-load of a hit vLLM accepted. ``SchedulerSide`` (``scheduler``, whose docstring tells the whole
-step) owns one ``HitPlanner`` and routes vLLM's hit questions to it."""
+"""The scheduler side's lookups and load plans: what kvtier can load for a request (as much
+of the daemon's hit as the load gate finds worth loading), and the load of a hit vLLM
+accepted. ``SchedulerSide`` (``scheduler``, whose docstring tells the whole step) owns one
+``HitPlanner`` and routes vLLM's hit questions to it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.vllm.adapters import AdapterKeys
+from kvtier.connector.vllm.capacity import TierWatch
 from kvtier.connector.vllm.config import KVTierConfig
+from kvtier.connector.vllm.gate import LoadGate
 from kvtier.connector.vllm.groups import KVGroup
 from kvtier.connector.vllm.hits import Chain
 from kvtier.connector.vllm.lookup import Lookup, Lookups
@@ -48,6 +51,27 @@ class HitPlanner:
         """Each LoRA adapter's key: its content, so a reloaded adapter names new blocks."""
         self.loads: list[LoadSpec] = []
         """Loads planned since the last step's metadata took them."""
+        self.watch = TierWatch(self.client, clients)
+        self.gate = LoadGate(sum(group.layout.block_bytes / group.block_size for group in groups))
+
+    def close(self) -> None:
+        self.watch.close()
+
+    def observe_step(self, scheduler_output) -> None:
+        """Tells the load gate a step is being planned, and whether it prefills."""
+        cached = scheduler_output.scheduled_cached_reqs
+        prefills = bool(scheduler_output.scheduled_new_reqs) or any(
+            computed < self.requests[req_id].request.num_prompt_tokens
+            for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True)
+            if req_id in self.requests
+        )
+        self.gate.observe_step(scheduler_output.total_num_scheduled_tokens, prefills)
+
+    def report_tiers(self) -> None:
+        """Adds the daemon's capacity gauges to the stats when a fresher reading came in."""
+        gauges = self.watch.poll()
+        if gauges:
+            self.stats.set_gauges(gauges)
 
     def take_loads(self) -> list[LoadSpec]:
         loads, self.loads = self.loads, []
@@ -150,16 +174,26 @@ class HitPlanner:
         if not lookup.done():
             return None, False
         state.offer, state.offer_start = lookup.hits(), start
-        if state.offer.tokens < self._min_hit_tokens:
+        tokens = state.offer.tokens
+        state.declined = None
+        if self.config.load_gate:
+            tokens, state.declined = self.gate.cut(state.offer, self.watch.read_bytes_per_s)
+            tokens = tokens // self.align * self.align
+        if tokens < self._min_hit_tokens:
             return 0, False
-        return state.offer.tokens, self.config.load_async
+        return tokens, self.config.load_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Plans the load of an accepted hit into the blocks vLLM allocated for it: in each
         group, the blocks the token after the hit attends to."""
+        state = self.requests.get(request.request_id)
+        if state is not None and state.declined:
+            for tier, tokens in state.declined.items():
+                self.stats.add(f"declined_hit_tokens.{tier}", tokens)
+            state.declined = None
         if num_external_tokens == 0:
             return
-        state = self.requests[request.request_id]
+        assert state is not None, "vLLM accepted a hit for a request kvtier never saw"
         assert state.offer is not None, "vLLM accepted a hit kvtier did not offer"
         start = state.offer_start
         end = start + num_external_tokens

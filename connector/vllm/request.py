@@ -162,6 +162,9 @@ class RequestState:
     offer: Hit | None = None
     """The hit last returned to vLLM, of tokens from ``offer_start`` on."""
     offer_start: int = 0
+    declined: dict[str, int] | None = None
+    """Tokens of ``offer`` per tier that the load gate left to recompute; counted when vLLM
+    allocates for the request."""
     load: PlannedLoad | None = None
     verify_end: int = 0
     """Tokens vLLM must have processed before blocks computed over a sync load are stored."""

@@ -129,6 +129,7 @@ class SchedulerSide:
     def close(self) -> None:
         if self._events is not None:
             self._events.close()
+        self.hits.close()
         for client in self.clients.values():
             client.close()
 
@@ -140,6 +141,7 @@ class SchedulerSide:
             loads=self.hits.take_loads(), stores=self._stores, delay_free=self._delay_free_new
         )
         self._stores, self._delay_free_new = [], set()
+        self.hits.observe_step(scheduler_output)
         # Preemptions first: a request preempted by reset_prefix_cache is resumed in the
         # same step and reported in both, and its resumption is the newer fact.
         for req_id in scheduler_output.preempted_req_ids or ():
@@ -387,13 +389,5 @@ class SchedulerSide:
 
     def take_stats(self) -> KVTierStats | None:
         self._trouble.count(self.clients.values(), self.stats)
+        self.hits.report_tiers()
         return self.stats.take()
-
-    # ---- for tests, which want their steps not to depend on how fast the daemon answers ----
-
-    @property
-    def lookups_in_flight(self) -> int:
-        return self.hits.lookups_in_flight
-
-    def wait_for_lookups(self, timeout: float | None = None) -> bool:
-        return self.hits.wait_for_lookups(timeout)

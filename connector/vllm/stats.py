@@ -1,9 +1,12 @@
-"""kvtier's counters inside vLLM's connector stats, its log line and its ``/metrics``.
+"""kvtier's counters and gauges inside vLLM's connector stats, its log line and its ``/metrics``.
 
-Both sides count: the scheduler its lookups and the tokens each tier supplied, every worker
-its copies, dedups and failures. vLLM sums the workers' and the scheduler's ``KVTierStats``
-each step (``aggregate``), logs ``reduce()`` periodically and feeds the same dict to
-``KVTierPromMetrics``, which exports one ``vllm:kvtier_<name>_total`` counter per key.
+Both sides count: the scheduler its lookups, the tokens each tier supplied and those the load
+gate declined, every worker its copies, dedups and failures. vLLM sums the workers' and the
+scheduler's ``KVTierStats`` each step (``aggregate``), logs ``reduce()`` periodically and feeds
+the same dict to ``KVTierPromMetrics``, which exports one ``vllm:kvtier_<name>_total`` counter
+per key. Per-tier keys are ``<name>.<tier>`` and become one metric labelled ``tier``. Gauges
+(the daemon's capacity, as the scheduler last read it) are latest values: ``aggregate`` keeps
+the newest instead of adding them up, and they are set, not incremented.
 """
 
 from __future__ import annotations
@@ -35,16 +38,39 @@ COUNTERS: dict[str, str] = {
     "loaded_bytes": "Bytes copied from kvtier into vLLM's KV cache",
     "stored_bytes": "Bytes copied from vLLM's KV cache into kvtier",
 }
+TIERS = ("host", "disk", "remote")
+TIER_COUNTERS: dict[str, str] = {
+    "declined_hit_tokens": "Hit tokens the load gate left to recompute: the tier would deliver "
+    "them slower than the engine computes them",
+}
+GAUGES: dict[str, str] = {
+    "used_bytes": "Bytes the kvtier tier holds (all of this engine's layouts)",
+    "capacity_bytes": "Bytes the kvtier tier can hold (all of this engine's layouts)",
+    "used_blocks": "Blocks the kvtier tier holds (all of this engine's layouts)",
+    "capacity_blocks": "Blocks the kvtier tier can hold (all of this engine's layouts)",
+    "oldest_block_age_seconds": "Seconds since the kvtier tier's least recently used block "
+    "was last used (tiers that keep times)",
+}
+_GAUGE_KEYS = frozenset(f"{name}.{tier}" for name in GAUGES for tier in TIERS)
+_KEYS = frozenset(COUNTERS) | {f"{name}.{tier}" for name in TIER_COUNTERS for tier in TIERS}
 
 
 class KVTierStats(KVConnectorStats):
-    """Integer counters since the last report, keyed as in ``COUNTERS``."""
+    """Integer counters since the last report, keyed as in ``COUNTERS`` (``TIER_COUNTERS``
+    as ``<name>.<tier>``), and the latest gauges, keyed ``<name>.<tier>`` of ``GAUGES``."""
 
     def add(self, key: str, value: int) -> None:
-        if key not in COUNTERS:
+        if key not in _KEYS:
             raise KeyError(f"unknown kvtier counter {key!r}")
         if value:
             self.data[key] = self.data.get(key, 0) + value
+
+    def set_gauges(self, values: dict[str, float]) -> None:
+        """Latest values of gauges keyed ``<name>.<tier>``."""
+        unknown = set(values) - _GAUGE_KEYS
+        if unknown:
+            raise KeyError(f"unknown kvtier gauges {sorted(unknown)}")
+        self.data.update(values)
 
     def take(self) -> KVTierStats | None:
         """The counts so far (None if all zero), and a fresh start."""
@@ -59,7 +85,10 @@ class KVTierStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            if key in _GAUGE_KEYS:
+                self.data[key] = value  # a level, not a count: the newer reading stands
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -71,11 +100,12 @@ class KVTierStats(KVConnectorStats):
         return reduced
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(value or key in _GAUGE_KEYS for key, value in self.data.items())
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per kvtier key, labelled like vLLM's own metrics."""
+    """One Prometheus counter per kvtier key, labelled like vLLM's own metrics (and ``tier``
+    for per-tier keys), and a gauge per ``GAUGES`` name."""
 
     def __init__(
         self,
@@ -91,12 +121,43 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:kvtier_{key}", documentation=documentation, labelnames=labelnames
             )
             self._counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        tiered = [*labelnames, "tier"]
+        for name, documentation in TIER_COUNTERS.items():
+            metric = self._counter_cls(
+                name=f"vllm:kvtier_{name}", documentation=documentation, labelnames=tiered
+            )
+            self._counters.update(_per_tier(name, metric, per_engine_labelvalues))
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, documentation in GAUGES.items():
+            metric = self._gauge_cls(
+                name=f"vllm:kvtier_{name}",
+                documentation=documentation,
+                labelnames=tiered,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges.update(_per_tier(name, metric, per_engine_labelvalues))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
+            gauge = self._gauges.get(key)
+            if gauge is not None:
+                gauge[engine_idx].set(value)
+                continue
             per_engine = self._counters.get(key)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
+
+
+def _per_tier(
+    name: str, metric: Any, per_engine_labelvalues: dict[int, list[object]]
+) -> dict[str, dict[int, Any]]:
+    """``<name>.<tier>`` → engine index → the metric's child for that engine and tier."""
+    return {
+        f"{name}.{tier}": {
+            idx: metric.labels(*values, tier) for idx, values in per_engine_labelvalues.items()
+        }
+        for tier in TIERS
+    }
 
 
 class DaemonTrouble:

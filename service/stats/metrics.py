@@ -35,7 +35,13 @@ _GAUGES = {
     "capacity_blocks": ("capacity_blocks", "Blocks the tier can hold"),
     "used_bytes": ("used_bytes", "Bytes held by the tier"),
     "capacity_bytes": ("capacity_bytes", "Bytes the tier can hold"),
+    "read_bytes_per_s": (
+        "read_bytes_per_second",
+        "Bytes a second the tier's reads delivered lately (disk, remote; an EWMA)",
+    ),
 }
+_AGE = "oldest_block_age_s"
+"""Only the tiers that keep times report it (the host tier)."""
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5)
 
 
@@ -58,8 +64,17 @@ class StatsCollector(Collector):
             for tier in stats["tiers"]:
                 family.add_metric([tier["tier"], tier["layout"]], tier[field])
             yield family
+        age = GaugeMetricFamily(
+            "kvtier_oldest_block_age_seconds",
+            "Seconds since the tier's least recently used block was last used",
+            labels=labels,
+        )
+        for tier in stats["tiers"]:
+            if _AGE in tier:
+                age.add_metric([tier["tier"], tier["layout"]], tier[_AGE])
+        yield age
         # Counters added to TierCounters after this table still reach Prometheus.
-        known = {"tier", "layout", *_COUNTERS, *_GAUGES}
+        known = {"tier", "layout", _AGE, *_COUNTERS, *_GAUGES}
         for field in sorted({k for t in stats["tiers"] for k in t} - known):
             family = GaugeMetricFamily(f"kvtier_{field}", f"TierCounters.{field}", labels=labels)
             for tier in stats["tiers"]:

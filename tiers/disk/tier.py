@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +61,9 @@ class DiskTier:
     written; stores still queued or in an uncommitted batch are lost (a cache: they cost a
     recompute).
 
+    ``read_delay_s`` slows every read from the device by that much: a fault-injection knob
+    for tests and demonstrations of a crawling disk, 0 in service.
+
     Opening takes the directory for this process (``DirectoryInUse`` names the holder's pid)
     and moves a damaged index aside, logging where, then starts empty.
     """
@@ -76,6 +80,7 @@ class DiskTier:
         sync: bool = True,
         map_size: int | None = None,
         flush_interval_s: float = 1.0,
+        read_delay_s: float = 0.0,
     ) -> None:
         if len(layout_signature) != _SIGNATURE_BYTES:
             raise ValueError(f"layout signature must be {_SIGNATURE_BYTES} bytes")
@@ -83,6 +88,9 @@ class DiskTier:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         if not flush_interval_s >= 0:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
+        if not read_delay_s >= 0:
+            raise ValueError(f"read_delay_s must be >= 0, got {read_delay_s}")
+        self._read_delay_s = read_delay_s
         capacity, batch, map_size = plan(block_bytes, capacity_bytes, map_size)
         self.block_bytes = block_bytes
         self.counters = counters if counters is not None else TierCounters(tier="disk")
@@ -193,8 +201,11 @@ class DiskTier:
             self._count_load()
             return True
         valid = self._valid(entry)
+        started = time.perf_counter()
         try:
             if valid:
+                if self._read_delay_s:
+                    time.sleep(self._read_delay_s)
                 self._s.slots.read_into(slot, dst)
         except OSError as exc:  # the device failed this read: a miss, and the entry stays
             self._s.failures.warning(
@@ -204,7 +215,7 @@ class DiskTier:
         finally:
             self._s.table.unpin(slot)
         if valid and xxhash.xxh3_64_intdigest(dst) == entry.checksum:
-            self._count_load()
+            self._count_load(time.perf_counter() - started)
             self._enqueue(TOUCH, block_hash)
             return True
         log.warning("disk tier %s: corrupt block %s dropped", self._s.path, block_hash.hex())
@@ -364,10 +375,14 @@ class DiskTier:
             if not self._closed and self._writer.alive:
                 self._writer.submit(op, arg)
 
-    def _count_load(self) -> None:
+    def _count_load(self, device_s: float | None = None) -> None:
+        """Counts one block read out; ``device_s``: the time a read from the device took
+        (a read of a pending block is a memory copy, not the device's rate)."""
         with self._lock:
             self.counters.blocks_loaded += 1
             self.counters.bytes_out += self.block_bytes
+            if device_s is not None:
+                self.counters.observe_read(self.block_bytes, device_s)
 
     def _valid(self, entry: Entry) -> bool:
         """Whether an entry can name one of this tier's blocks."""

@@ -2,13 +2,17 @@
 
 A host tier can have hundreds of thousands of slots, so nothing here is a Python object per
 slot: state, reference counts, the hash each slot holds and the LRU links are numpy arrays
-(about 30 bytes a slot in all). Only slots in use have an index entry (hash → slot) and, when
+(about 40 bytes a slot in all). Only slots in use have an index entry (hash → slot) and, when
 the engine sent one, a metadata entry. The LRU is an intrusive doubly linked list over the
-unpinned committed slots, with one sentinel, so touching a slot is O(1) and allocates nothing.
+unpinned committed slots, with one sentinel, so touching a slot is O(1) and allocates nothing;
+each slot's last use (the clock's time when it last entered the LRU) tells the age of its head.
 The caller (``HostTier``) holds its lock around every call.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -20,8 +24,9 @@ FREE, WRITING, READY = 0, 1, 2
 class SlotTable:
     """State of ``num_slots`` slots: free stack, index, reference counts, LRU order."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, clock: Callable[[], float] = time.monotonic):
         self.num_slots = num_slots
+        self._clock = clock
         self.state = np.zeros(num_slots, dtype=np.uint8)
         self.refs = np.zeros(num_slots, dtype=np.int32)
         self._hashes = np.zeros((num_slots, HASH_BYTES), dtype=np.uint8)
@@ -36,6 +41,7 @@ class SlotTable:
         self._sentinel = num_slots
         self._prev[num_slots] = self._next[num_slots] = num_slots
         self.lru_len = 0
+        self._last_use = np.zeros(num_slots, dtype=np.float64)
 
     # ---- slots ----
 
@@ -91,6 +97,7 @@ class SlotTable:
         self._next[last] = slot
         self._prev[sentinel] = slot
         self.lru_len += 1
+        self._last_use[slot] = self._clock()
 
     def lru_remove(self, slot: int) -> None:
         """Takes ``slot`` out of the LRU if it is in it."""
@@ -110,6 +117,13 @@ class SlotTable:
             return None
         self.lru_remove(slot)
         return slot
+
+    def oldest_age_s(self) -> float:
+        """Seconds since the least recently used slot was last used; 0.0 with an empty LRU."""
+        slot = self._next[self._sentinel]
+        if slot == self._sentinel:
+            return 0.0
+        return max(0.0, self._clock() - float(self._last_use[slot]))
 
     def touch(self, slot: int) -> None:
         """Makes an unpinned committed slot the most recently used (a pinned one stays out)."""

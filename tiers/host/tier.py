@@ -208,8 +208,7 @@ class HostTier:
         return hits, resident if hold else []
 
     def _mark_read(self, resident: list[tuple[BlockHash, int]], hold: bool) -> None:
-        """Pins (``hold``) or touches a lookup's host hits, the prefix's head last; call
-        under the lock."""
+        """Pins (``hold``) or touches a lookup's host hits, head last; call under the lock."""
         for _, slot in reversed(resident):
             if hold:
                 self._slots.pin(slot)
@@ -221,6 +220,10 @@ class HostTier:
         """Blocks (committed or promoted) whose write to a tier below has not finished."""
         with self._lock:
             return len(self._behind)
+
+    def oldest_block_age_s(self) -> float:
+        with self._lock:
+            return self._slots.oldest_age_s()
 
     def slot_array(self, slot: int) -> np.ndarray:
         """The bytes of one slot as a writable numpy view (no copy)."""
@@ -255,8 +258,7 @@ class HostTier:
         result: list[int] = []
         with self._lock:
             index = self._slots.index
-            # The tier below is asked once for the whole batch (one read of its index),
-            # and so are the slots evicted to make room.
+            # One question to the tier below (one read of its index) and one eviction a batch.
             fresh = {h for h in hashes if h not in index}
             below = self.lower.holding(list(fresh)) if self.lower is not None and fresh else set()
             evicted = self._room.make_room(len(fresh - below))
@@ -391,8 +393,6 @@ class HostTier:
                     spilled += 1
             self.counters.blocks_spilled += spilled
         return spilled
-
-    # ---- internals ----
 
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -176,12 +177,16 @@ class RemoteTier:
                 finally:
                     borrow.end()
 
+        started = time.perf_counter()
         missed = self._routes.fan_out(
             keys, work, self.settings.transfer_timeout_s, self.settings.pipeline_blocks
         )
         borrow.close()
         fetched = metas.index(None) if None in metas else len(metas)
+        seconds = time.perf_counter() - started
         with self._lock:
+            if fetched:  # the batch's bytes over its wall time: what a promotion waits for
+                self.counters.observe_read(fetched * self.block_bytes, seconds)
             self.counters.fault_misses += missed
             self.counters.blocks_loaded += fetched
             self.counters.bytes_out += fetched * self.block_bytes

@@ -1,0 +1,90 @@
+"""The daemon's view of its tiers, as the scheduler side sees it: capacity gauges for vLLM's
+``/metrics`` and the read rates the load gate weighs.
+
+One Stats call at a time runs on a thread of its own, at most every ``REFRESH_S``; the engine
+thread only looks at whether the last one has answered, so a slow or absent daemon never
+holds up a step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.vllm.stats import TIERS
+from kvtier.proto import kvtier_pb2 as pb
+
+REFRESH_S = 2.0
+"""Capacity moves slowly and a Stats call walks every layout: a few seconds is fresh enough."""
+
+_SUMMED = ("used_bytes", "capacity_bytes", "used_blocks", "capacity_blocks")
+
+
+class TierWatch:
+    """The latest Stats of the daemon for this engine's ``layouts`` (signatures)."""
+
+    def __init__(
+        self,
+        client: DaemonClient,
+        layouts: Iterable[bytes],
+        refresh_s: float = REFRESH_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._client = client
+        self._layouts = {signature.hex() for signature in layouts}
+        self._main = client.layout_signature.hex()
+        self._refresh_s = refresh_s
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-stats")
+        self._call: Future[pb.StatsResponse | None] | None = None
+        self._asked = -math.inf
+        self._gauges: dict[str, float] | None = None
+        self.read_bytes_per_s: dict[str, float] = {}
+        """What each tier's reads delivered lately, for the first layout; a tier that has
+        not read yet is absent."""
+
+    def poll(self) -> dict[str, float] | None:
+        """Never blocks: takes the answer of the last call if it is in, starts the next one
+        when it is due; returns gauges keyed ``<name>.<tier>`` once per answer, else None."""
+        if self._call is not None and self._call.done():
+            self._take(self._call.result())
+        if self._call is None and self._clock() - self._asked >= self._refresh_s:
+            self._asked = self._clock()
+            self._call = self._pool.submit(self._client.stats)
+        gauges, self._gauges = self._gauges, None
+        return gauges
+
+    def refresh(self, timeout: float | None = None) -> bool:
+        """Asks the daemon now and waits for its answer; for tests, which want the state they
+        check not to depend on when the last call ran. vLLM never waits."""
+        if self._call is not None:
+            self._take(self._call.result(timeout))
+        self._asked = self._clock()
+        self._call = self._pool.submit(self._client.stats)
+        reply = self._call.result(timeout)
+        self._take(reply)
+        return reply is not None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _take(self, reply: pb.StatsResponse | None) -> None:
+        self._call = None
+        if reply is None:
+            return  # the daemon did not answer (counted by the client): the last values stand
+        gauges: dict[str, float] = {}
+        for tier in reply.tiers:
+            if tier.layout not in self._layouts or tier.tier not in TIERS:
+                continue
+            for name in _SUMMED:
+                key = f"{name}.{tier.tier}"
+                gauges[key] = gauges.get(key, 0) + getattr(tier, name)
+            if tier.HasField("oldest_block_age_s"):
+                key = f"oldest_block_age_seconds.{tier.tier}"
+                gauges[key] = max(gauges.get(key, 0.0), tier.oldest_block_age_s)
+            if tier.layout == self._main and tier.read_bytes_per_s > 0:
+                self.read_bytes_per_s[tier.tier] = tier.read_bytes_per_s
+        self._gauges = gauges
