@@ -23,13 +23,12 @@ from kvtier.service.pins import LayoutPins, PinResult
 from kvtier.service.rpc.wire import check_hash, invalid
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.store import BlockStore
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.lower import MAX_META_BYTES, NO_SPACE, LowerHits
 
 log = logging.getLogger(__name__)
 
 SIGNATURE_BYTES = 16
-MAX_LOST_SESSIONS = 64
-"""Lost sessions one Open may name (a client names the few it lost since its last session)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +83,7 @@ class Daemon:
         if block_bytes <= 0:
             raise invalid("block_bytes must be positive")
         if lost_sessions:
-            freed = self.fence.release(lost_sessions[:MAX_LOST_SESSIONS])
+            freed = self.fence.release(lost_sessions[: TUNABLES.max_lost_sessions])
             if freed:
                 log.info("%d fenced slots given back: their client reopened", freed)
         store = self.store.open_layout(signature, block_bytes)

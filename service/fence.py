@@ -14,7 +14,7 @@ stay held (unreadable, unevictable) until one of two things proves that no copy 
 
 No timer frees the slots of a client whose process the daemon can see. A client it cannot see
 (over TCP, or in another pid namespace with no pid from the relay) gets its slots back after
-``UNVERIFIABLE_HOLD_S`` if it never comes back: a bound on the leak, not a fence.
+``unverifiable_hold_s`` if it never comes back: a bound on the leak, not a fence.
 """
 
 from __future__ import annotations
@@ -27,15 +27,9 @@ from collections.abc import Callable, Iterable
 
 from kvtier.service.liveness import ExitWatch, can_check, process_gone
 from kvtier.service.sessions import Leftovers
+from kvtier.service.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
-
-UNVERIFIABLE_HOLD_S = 600.0
-"""How long a lost session's slots stay held when the daemon cannot see its client's
-process, unless the client reopens naming it first."""
-_RELEASED_IDS = 4096
-"""Sessions named by a reopen before the daemon saw them end, remembered so that their end
-gives their slots back at once."""
 
 
 class Fence:
@@ -88,7 +82,7 @@ class Fence:
                     back.append(held[1])
                     continue
                 self._released[session_id] = None
-                while len(self._released) > _RELEASED_IDS:
+                while len(self._released) > TUNABLES.released_ids:
                     self._released.popitem(last=False)
         for left in back:
             self._exits.unwatch(left.session_id)
@@ -97,7 +91,7 @@ class Fence:
 
     def sweep(self) -> int:
         """Gives back the slots of clients found gone (and of unverifiable ones held past
-        ``UNVERIFIABLE_HOLD_S``); returns how many sessions' slots came back."""
+        ``unverifiable_hold_s``); returns how many sessions' slots came back."""
         with self._lock:
             held = list(self._held.items())
         now = self._clock()
@@ -106,7 +100,7 @@ class Fence:
             if can_check(left.client_pid, left.client_pid_ns):
                 if process_gone(left.client_pid, left.client_pid_ns):
                     due.append(session_id)
-            elif now - since >= UNVERIFIABLE_HOLD_S:
+            elif now - since >= TUNABLES.unverifiable_hold_s:
                 due.append(session_id)
         with self._lock:
             back = [self._held.pop(s)[1] for s in due if s in self._held]

@@ -84,15 +84,7 @@ class LayoutStore:
                 counters=self.counters[REMOTE],
                 on_event=self._remote_event,
             )
-        self.index = (
-            LookupIndexWriter(
-                index,
-                arena.size // block_bytes + self.counters[DISK].capacity_blocks,
-                has_remote=self.remote is not None,
-            )
-            if index is not None
-            else None
-        )
+        self.index = self._open_index(index, arena.size // block_bytes)
         self._index_disk()
         self.host = HostTier(
             block_bytes,
@@ -251,6 +243,19 @@ class LayoutStore:
     @property
     def hex(self) -> str:
         return self.signature.hex()
+
+    def _open_index(self, path: Path | None, host_slots: int) -> LookupIndexWriter | None:
+        """The lookup index, or None (clients then ask by calls) if it cannot be made."""
+        if path is None:
+            return None
+        blocks = host_slots + self.counters[DISK].capacity_blocks
+        try:
+            return LookupIndexWriter(path, blocks, has_remote=self.remote is not None)
+        except OSError as exc:
+            log.warning(
+                "layout %s: no lookup index at %s (%s); lookups go by calls", self.hex, path, exc
+            )
+            return None
 
     def _index_disk(self) -> None:
         """Publishes what a reopened disk tier holds (it announces nothing as it recovers)."""

@@ -7,7 +7,7 @@ most ``budget`` pins; a pin beyond that is refused and counted. Two sessions pin
 hold two pins of it (each against its own budget) and one reference on the slot; a session
 pinning a block again extends its pin. A block not committed yet (the engine pins as soon as
 its copies have landed, which may be just before their ``Commit`` reaches the daemon) waits
-for its commit up to ``PENDING_S``, then counts as missed.
+for its commit up to ``pin_pending_s``, then counts as missed.
 
 Pins outlive the session that made them: an agent's engine may restart between its calls and
 find its context still there. A session that ended pins nothing more, so its pins count
@@ -27,10 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.host.tier import HostTier
-
-PENDING_S = 5.0
-"""How long a pinned block not committed yet waits for its commit before it counts as missed."""
 
 
 class PinResult(NamedTuple):
@@ -88,7 +86,7 @@ class LayoutPins:
                     continue
                 if pin is None:
                     pin = self._pins[h] = _Pin(None)
-                    self._pending[h] = now + PENDING_S
+                    self._pending[h] = now + TUNABLES.pin_pending_s
                     new.append(h)
                 pin.until[session_id] = until
                 self._per_session[session_id] += 1

@@ -25,11 +25,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.service.tunables import TUNABLES
+
 RESERVE, ACQUIRE = "reserve", "acquire"
-_RECENT_CALLS = 256
-"""Finished calls per session that ``Cancel`` can still undo."""
-_CANCELLED_IDS = 1024
-"""Cancelled ids per session remembered, so a call that arrives after its Cancel does nothing."""
 
 
 class SessionError(LookupError):
@@ -217,7 +215,7 @@ class SessionTable:
                 if call_id in session.cancelled:
                     return False
                 session.recent[call_id] = (kind, list(slots))
-                while len(session.recent) > _RECENT_CALLS:
+                while len(session.recent) > TUNABLES.recent_calls:
                     session.recent.popitem(last=False)
             if kind == RESERVE:
                 session.reserved.update(slots)
@@ -232,7 +230,7 @@ class SessionTable:
         with self._lock:
             session = self._renew(session_id, peer)
             session.cancelled[call_id] = None
-            while len(session.cancelled) > _CANCELLED_IDS:
+            while len(session.cancelled) > TUNABLES.cancelled_ids:
                 session.cancelled.popitem(last=False)
             kind, slots = session.recent.pop(call_id, (RESERVE, []))
             if kind == RESERVE:

@@ -20,10 +20,11 @@ from kvtier.service import fence as fence_module
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
-from kvtier.service.fence import UNVERIFIABLE_HOLD_S, Fence
+from kvtier.service.fence import Fence
 from kvtier.service.liveness import process_gone, task_state
 from kvtier.service.sessions import Leftovers
 from kvtier.service.store import BlockStore
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.host.tier import ALREADY_STORED
 
 from daemonutil import wait_until
@@ -205,9 +206,9 @@ def test_an_unverifiable_clients_slots_come_back_after_a_long_bound():
     back: list[Leftovers] = []
     fence = Fence(back.append, clock=lambda: now[0])
     fence.hold(Leftovers(LAYOUT, [3], [], session_id="tcp"))
-    now[0] = UNVERIFIABLE_HOLD_S / 2
+    now[0] = TUNABLES.unverifiable_hold_s / 2
     assert fence.sweep() == 0 and not back
-    now[0] = UNVERIFIABLE_HOLD_S
+    now[0] = TUNABLES.unverifiable_hold_s
     assert fence.sweep() == 1 and back[0].reserved == [3]
     fence.drain()
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier.service import config, flags
-from kvtier.service.pins import PENDING_S, LayoutPins
+from kvtier.service.pins import LayoutPins
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.host.tier import HostTier
 
 BLOCK = 4096
@@ -114,7 +115,7 @@ def test_a_block_pinned_before_its_commit_is_pinned_at_the_commit() -> None:
 def test_a_pin_of_a_block_that_never_comes_is_missed_and_gives_its_budget_back() -> None:
     host, pins, clock = setup(budget=2)
     assert pins.pin("a", hashes(2), 60.0) == (2, 0)
-    clock.now += PENDING_S
+    clock.now += TUNABLES.pin_pending_s
     pins.sweep()
     assert (pins.missed, pins.pinned_blocks, pins.held_by("a")) == (2, 0, 0)
     block = hashes(1)

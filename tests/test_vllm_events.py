@@ -10,6 +10,7 @@ Run in the vLLM venv: ``VLLM_TARGET_DEVICE=cpu pytest -m vllm tests/test_vllm_ev
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -273,7 +274,11 @@ def test_an_engine_that_falls_behind_the_daemons_events_follows_again(monkeypatc
     stream. The engine must follow again with a replay, so that the router's view ends equal
     to what the tiers hold: the blocks whose events were lost included, those the disk tier
     dropped meanwhile too."""
-    monkeypatch.setattr(events_module, "MAX_BUFFERED", 256)
+    monkeypatch.setattr(
+        events_module,
+        "TUNABLES",
+        dataclasses.replace(events_module.TUNABLES, max_buffered_events=256),
+    )
     daemon = Daemon(
         host_bytes=HOST_SLOTS * RAW_BLOCK_BYTES,
         disk_bytes=(ON_DISK + NEW // 2) * RAW_BLOCK_BYTES,  # the new blocks push old ones out

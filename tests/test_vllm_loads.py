@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 import test_vllm_connector as harness
 from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
-from kvtier.connector.vllm.loads import STARVED_S, StreamedLoad
+from kvtier.connector.tunables import TUNABLES
+from kvtier.connector.vllm.loads import StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec
 from kvtier.tiers.gpu.transfer import Transfer
 
@@ -127,9 +128,13 @@ def test_a_load_without_room_gives_up_its_blocks_after_a_while():
     load.advance(rec.acquire, rec.copy, rec.fail, room=2, chunk=4, now=0.0)
     for _ in range(3):  # the first chunk is copied; then there is no room
         load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0)
-    load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + STARVED_S / 2)
+    load.advance(
+        rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + TUNABLES.starved_load_s / 2
+    )
     assert not load.landed and not rec.failed  # still waiting for room
-    load.advance(rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + STARVED_S)
+    load.advance(
+        rec.acquire, rec.copy, rec.fail, room=0, chunk=4, now=1.0 + TUNABLES.starved_load_s
+    )
     assert load.landed
     assert rec.failed == [2, 3, 4, 5]  # what was copied stays; vLLM recomputes the rest
 

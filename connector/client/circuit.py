@@ -21,10 +21,9 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-log = logging.getLogger(__name__)
+from kvtier.connector.tunables import TUNABLES
 
-_FIRST_PROBE_S = 0.05
-_MAX_PROBE_S = 1.0
+log = logging.getLogger(__name__)
 
 
 class CircuitBreaker:
@@ -103,7 +102,7 @@ class CircuitBreaker:
         return probe is not None and probe()
 
     def _probe_until_closed(self) -> None:
-        wait = _FIRST_PROBE_S
+        wait = TUNABLES.first_probe_s
         while not self._stopped.wait(wait):
             if not self._open:
                 return  # closed meanwhile (a session opened)
@@ -112,7 +111,7 @@ class CircuitBreaker:
                     self._open = False
                 log.info("kvtier daemon %s answers again", self._name)
                 return
-            wait = min(wait * 2, _MAX_PROBE_S)
+            wait = min(wait * 2, TUNABLES.max_probe_s)
 
 
 _shared: dict[str, CircuitBreaker] = {}

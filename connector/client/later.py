@@ -16,13 +16,9 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvtier.connector.client.circuit import CircuitBreaker
+from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-
-REPAIR_TIMEOUT_S = 30.0
-"""Deadline of a call sent without waiting (release, abort, cancel): long, since giving up
-the session is the only remedy if it fails, and a daemon frozen for a while should not cost
-the session. Nothing waits on it while the breaker is open."""
 
 Failed = Callable[[str, grpc.RpcError, str], None]
 """Counts a failed call of this method on this session (the client's ``_failed``)."""
@@ -48,7 +44,7 @@ class LaterCalls:
         self._lock = lock
         self._breaker = breaker
         self._metadata = metadata
-        self._timeout = max(REPAIR_TIMEOUT_S, timeout_s)
+        self._timeout = max(TUNABLES.repair_timeout_s, timeout_s)
         self._failed = failed
         self._give_up = give_up
         self._unsettled: list[grpc.Future] = []

@@ -28,13 +28,13 @@ from pathlib import Path
 import grpc
 
 from kvtier.connector.client.arena import ArenaView
+from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S = 2.0
 _MAX_LOST = 16
 """Lost sessions named in the next Open (the keeper loses at most one per session it opens)."""
 
@@ -175,7 +175,7 @@ class SessionKeeper:
                 if unsafe != refusal:
                     refusal = unsafe
                     log.error("kvtier daemon %s not used: %s", self._target, unsafe)
-                self._closing.wait(_MAX_BACKOFF_S)
+                self._closing.wait(TUNABLES.max_reopen_backoff_s)
                 continue
             request = pb.OpenRequest()
             request.CopyFrom(self._request)
@@ -196,7 +196,7 @@ class SessionKeeper:
                 else:
                     log.debug("kvtier daemon %s: Open failed (%r)", self._target, exc.code())
                 self._closing.wait(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                backoff = min(backoff * 2, TUNABLES.max_reopen_backoff_s)
                 continue
             backoff = 0.05
             with self._lock:
@@ -233,7 +233,7 @@ class SessionKeeper:
                         timeout=self._timeout_s,
                         metadata=self._metadata,
                     )
-                self._closing.wait(_MAX_BACKOFF_S)
+                self._closing.wait(TUNABLES.max_reopen_backoff_s)
                 return
         keepalive = self._stub.KeepAlive(
             pb.SessionRequest(session_id=opened.session_id), metadata=self._metadata

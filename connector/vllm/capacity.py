@@ -1,9 +1,9 @@
 """The daemon's view of its tiers, as the scheduler side sees it: capacity gauges for vLLM's
 ``/metrics`` and the read rates the load gate weighs.
 
-One Stats call at a time runs on a thread of its own, at most every ``REFRESH_S``; the engine
-thread only looks at whether the last one has answered, so a slow or absent daemon never
-holds up a step.
+One Stats call at a time runs on a thread of its own, at most every ``capacity_refresh_s``;
+the engine thread only looks at whether the last one has answered, so a slow or absent daemon
+never holds up a step.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.tunables import TUNABLES
 from kvtier.connector.vllm.stats import TIERS
 from kvtier.proto import kvtier_pb2 as pb
-
-REFRESH_S = 2.0
-"""Capacity moves slowly and a Stats call walks every layout: a few seconds is fresh enough."""
 
 _SUMMED = ("used_bytes", "capacity_bytes", "used_blocks", "capacity_blocks")
 
@@ -30,7 +28,7 @@ class TierWatch:
         self,
         client: DaemonClient,
         layouts: Iterable[bytes],
-        refresh_s: float = REFRESH_S,
+        refresh_s: float = TUNABLES.capacity_refresh_s,
         clock: Callable[[], float] = time.monotonic,
     ):
         self._client = client

@@ -50,6 +50,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 
 from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.contract import EVENTS_LOST
 from kvtier.tiers.lower import MAX_META_BYTES
@@ -61,11 +62,6 @@ _MAGIC = b"kvV1"
 """Starts every meta written here: a block another kind of engine stored is not announced."""
 TAG_BYTES = 8
 """Bytes of the namespace seed an identity carries to name its model and cache epoch."""
-MAX_BUFFERED = 1 << 16
-"""Most translated events waiting for vLLM's next step; the stream waits beyond that."""
-MAX_PER_STEP = 1 << 14
-"""Most events handed to one step's batch (a replay of a large disk tier spans steps)."""
-_RESUBSCRIBE_WAIT_S = 5.0
 
 
 class BlockIdentity(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -172,9 +168,9 @@ class TierEvents:
             thread.start()
 
     def take(self) -> list[KVCacheEvent]:
-        """The events since the last call (at most ``MAX_PER_STEP``), oldest first."""
+        """The events since the last call (at most ``max_events_per_step``), oldest first."""
         with self._room:
-            count = min(len(self._events), MAX_PER_STEP)
+            count = min(len(self._events), TUNABLES.max_events_per_step)
             taken = [self._events.popleft() for _ in range(count)]
             self._room.notify_all()
         return taken
@@ -223,7 +219,7 @@ class TierEvents:
             self._withdraw(shown[MEDIUM_CPU], MEDIUM_CPU, list(shown[MEDIUM_CPU]))
             # A daemon that restarted knows this layout only once the client's new session
             # opened it: its replay would be empty before that.
-            deadline = time.monotonic() + _RESUBSCRIBE_WAIT_S
+            deadline = time.monotonic() + TUNABLES.resubscribe_wait_s
             while client.sessions_opened == opened and time.monotonic() < deadline:
                 if self._closed.wait(0.1):
                     return
@@ -297,7 +293,7 @@ class TierEvents:
         if not events:
             return
         with self._room:
-            while len(self._events) >= MAX_BUFFERED and not self._closed.is_set():
+            while len(self._events) >= TUNABLES.max_buffered_events and not self._closed.is_set():
                 self._room.wait()
             self._events.extend(events)
 

@@ -15,14 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from kvtier.connector.tunables import TUNABLES
 from kvtier.connector.vllm.hits import Hit
-
-HOST_BYTES_PER_S = 16e9
-"""A host hit is a copy out of pinned shared memory (DMA over PCIe, or a memcpy on a CPU
-engine): some 16 GB/s on current hosts, faster than any engine recomputes its KV."""
-PREFILL_WEIGHT = 0.2
-"""Weight of the newest step in the prefill rate: a few steps follow a change of load, one
-stalled step does not swing it."""
 
 
 class LoadGate:
@@ -49,7 +43,7 @@ class LoadGate:
             rate = self._last_tokens / (now - self._last_plan)
             last = self.prefill_tokens_per_s
             self.prefill_tokens_per_s = (
-                rate if last is None else last + PREFILL_WEIGHT * (rate - last)
+                rate if last is None else last + TUNABLES.prefill_weight * (rate - last)
             )
         self._last_plan, self._last_tokens = now, tokens if prefills else 0
 
@@ -59,7 +53,7 @@ class LoadGate:
         prefill = self.prefill_tokens_per_s
         if prefill is None:
             return offer.tokens, {}
-        rates = {"host": HOST_BYTES_PER_S, **read_bytes_per_s}
+        rates = {"host": TUNABLES.host_bytes_per_s, **read_bytes_per_s}
         parts = [
             ("host", offer.host_tokens),
             ("disk", offer.disk_tokens),

@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from kvtier.connector.tunables import TUNABLES
 from kvtier.connector.vllm.metadata import LoadSpec
 from kvtier.tiers.gpu.transfer import Transfer
 
@@ -33,10 +34,6 @@ Fail = Callable[[LoadSpec, list[int]], None]
 Step = Callable[["StreamedLoad", int], None]
 """Advances one load, given the slots its session's acquires on their way will take."""
 
-STARVED_S = 30.0
-"""A load that finds no room for this long fails its remaining blocks (vLLM recomputes them)
-rather than keep its request waiting: room comes back within one acquire's deadline unless
-slots leaked, and no request may wait on that forever."""
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +96,7 @@ class StreamedLoad:
     def _starved(self, fail: Fail, now: float) -> None:
         if self.starved_since is None:
             self.starved_since = now
-        elif now - self.starved_since >= STARVED_S:
+        elif now - self.starved_since >= TUNABLES.starved_load_s:
             log.warning(
                 "kvtier: no room to load %s for %.0f s; recomputing its last %d blocks",
                 self.spec.req_id,

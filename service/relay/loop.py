@@ -23,6 +23,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,6 @@ _ACCEPT_BATCH = 64
 """Connections accepted per wake-up, so that a flood of them cannot starve relayed bytes."""
 _RETRY_S = 0.01
 """Pause before a connection to gRPC's full backlog is tried again."""
-_CONNECT_TIMEOUT_S = 10.0
-"""How long a connection waits for room in gRPC's backlog before it is dropped."""
-_ACCEPT_PAUSE_S = 0.1
-"""How long accepting rests after the system ran out of descriptors or memory."""
 _OUT_OF_ROOM = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _GONE_BEFORE_ACCEPT = frozenset((errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR))
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
@@ -142,7 +139,7 @@ class Relay:
         """Stops accepting for a moment: what waits in the backlog waits there, and the
         listener, still readable, would otherwise wake the loop without end."""
         self._selector.unregister(self.listener)
-        self._accept_again_at = time.monotonic() + _ACCEPT_PAUSE_S
+        self._accept_again_at = time.monotonic() + TUNABLES.relay_accept_pause_s
         self._log.warning(
             "no room",
             "kvtier relay: cannot accept (%s) with %d connections open; new ones wait",
@@ -171,7 +168,7 @@ class Relay:
             self._could_not_relay(exc)
             return
         link = _Link(client, upstream, address)
-        link.deadline = time.monotonic() + _CONNECT_TIMEOUT_S
+        link.deadline = time.monotonic() + TUNABLES.relay_connect_timeout_s
         if self._connect(link):
             self._start(link)
         elif link.open:

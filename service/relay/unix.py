@@ -30,12 +30,11 @@ from pathlib import Path
 
 from kvtier.service.relay.limits import connection_cap, raise_fd_limit
 from kvtier.service.relay.loop import Relay
+from kvtier.service.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-RESPAWN_S = 1.0
-"""Pause before a relay that died is started again."""
 
 
 def private_dir_of(public: Path) -> Path:
@@ -117,7 +116,7 @@ class RelayProcess:
         while not self._stopping:
             code = await self._proc.wait()
             log.error("kvtier: the unix socket's relay exited (%s); starting it again", code)
-            await asyncio.sleep(RESPAWN_S)
+            await asyncio.sleep(TUNABLES.relay_respawn_s)
             self._proc = await self._spawn()
 
 

@@ -14,8 +14,8 @@ import logging
 import threading
 import time
 
-INTERVAL_S = 10.0
-"""The same rate as the daemon's own refusals: one line per kind per ten seconds."""
+from kvtier.service.tunables import TUNABLES
+
 _MAX_KINDS = 256
 _TEMPLATE_CHARS = 200
 
@@ -24,7 +24,9 @@ class RepeatFilter(logging.Filter):
     """Passes a record of a kind (logger, message template, exception type) at most once per
     ``interval_s``; the next one that passes counts the repeats held back."""
 
-    def __init__(self, interval_s: float = INTERVAL_S, max_kinds: int = _MAX_KINDS):
+    def __init__(
+        self, interval_s: float = TUNABLES.grpc_log_interval_s, max_kinds: int = _MAX_KINDS
+    ):
         super().__init__()
         self.interval_s = interval_s
         self._max_kinds = max_kinds
@@ -56,7 +58,7 @@ class RepeatFilter(logging.Filter):
         return True
 
 
-def limit_grpc_logs(interval_s: float = INTERVAL_S) -> RepeatFilter:
+def limit_grpc_logs(interval_s: float = TUNABLES.grpc_log_interval_s) -> RepeatFilter:
     """Puts one ``RepeatFilter`` on every logger of grpcio and its health and reflection
     packages (each module's logger exists once it is imported; a filter on a parent logger
     would not see its children's records). Idempotent; returns the filter."""

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.contract import HASH_BYTES, MAX_HASHES, MAX_MESSAGE_BYTES
+from kvtier.service.tunables import TUNABLES
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTier"]
 
@@ -37,7 +38,6 @@ REQUEST_LIMITS = {
     "Put": MAX_MESSAGE_BYTES,
 }
 """Largest encoded request per method; methods not named here take small requests only."""
-SMALL_REQUEST = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ class Refused:
 
 
 def _decoder(name: str, message_type: type) -> Callable[[bytes], object]:
-    limit = REQUEST_LIMITS.get(name, SMALL_REQUEST)
+    limit = REQUEST_LIMITS.get(name, TUNABLES.small_request_bytes)
 
     def decode(raw: bytes) -> object:
         if len(raw) > limit:

@@ -38,17 +38,11 @@ from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
 from kvtier.service.sessions import OwnershipError, SessionError
 from kvtier.service.stats.metrics import Metrics
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
-GET_CHUNK = 8
-"""Blocks a ``Get`` holds at once: bounds the daemon's memory per stream."""
-INLINE_BATCH = 256
-"""Batches up to this many hashes or slots may be served on the event loop; larger go to a
-thread."""
-WORKERS = 8
-LOOKUP_WORKERS = 8
 
 _TIER_FIELDS = frozenset(pb.TierStats.DESCRIPTOR.fields_by_name) - {"other"}
 
@@ -78,9 +72,11 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         self.metrics = metrics
         self.stopping = stopping
         self.max = daemon.config.max_hashes
-        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="kvtier-rpc")
-        self._lookups = ThreadPoolExecutor(LOOKUP_WORKERS, thread_name_prefix="kvtier-lookup")
-        self._limiter = RateLimitedLog(log, interval_s=10.0)
+        self._pool = ThreadPoolExecutor(TUNABLES.rpc_workers, thread_name_prefix="kvtier-rpc")
+        self._lookups = ThreadPoolExecutor(
+            TUNABLES.lookup_workers, thread_name_prefix="kvtier-lookup"
+        )
+        self._limiter = RateLimitedLog(log, interval_s=TUNABLES.grpc_log_interval_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -214,7 +210,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         peer = session_peer(context)
         await self._run(
             functools.partial(self.daemon.commit, request.session_id, slots, peer),
-            heavy=len(slots) > INLINE_BATCH or self.daemon.below_host(request.session_id, peer),
+            heavy=len(slots) > TUNABLES.inline_batch
+            or self.daemon.below_host(request.session_id, peer),
         )
         return pb.SlotsResponse(count=len(slots))
 
@@ -290,8 +287,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             code, message = status_of(exc)
             self.refused(context, exc, message)
             await context.abort(code, message)
-        for i in range(0, len(hashes), GET_CHUNK):
-            chunk = hashes[i : i + GET_CHUNK]
+        for i in range(0, len(hashes), TUNABLES.get_chunk_blocks):
+            chunk = hashes[i : i + TUNABLES.get_chunk_blocks]
             try:
                 blocks = await self._run(
                     functools.partial(self.daemon.get, request.session_id, chunk, peer)
@@ -344,5 +341,5 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
 
 def _heavy(packed_hashes: bytes) -> bool:
-    """Whether a call naming these hashes runs on a worker thread (see ``INLINE_BATCH``)."""
-    return len(packed_hashes) > INLINE_BATCH * HASH_BYTES
+    """Whether a call naming these hashes runs on a worker thread (see ``inline_batch``)."""
+    return len(packed_hashes) > TUNABLES.inline_batch * HASH_BYTES

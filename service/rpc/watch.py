@@ -18,10 +18,8 @@ from kvtier.proto.contract import EVENTS_LOST
 from kvtier.service.events import STORED, BlockEvent, Subscription
 from kvtier.service.layout_store import LayoutStore
 from kvtier.service.rpc.calls import log_source
+from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.ratelog import RateLimitedLog
-
-WATCH_BATCH = 1024
-"""Most events in one message."""
 
 Run = Callable[[Callable[[], object]], Awaitable[object]]
 """Runs a blocking call on a worker thread."""
@@ -40,7 +38,7 @@ async def replay(
     for store in stores:
         after: bytes | None = None
         while not subscription.lost:
-            found = await run(functools.partial(store.snapshot, after, WATCH_BATCH))
+            found = await run(functools.partial(store.snapshot, after, TUNABLES.watch_batch))
             if not found:
                 break
             yield pb.BlockEvents(
@@ -76,7 +74,7 @@ async def live(
         batch = []
         while event is not None:
             batch.append(_message(event))
-            if len(batch) >= WATCH_BATCH or queue.empty():
+            if len(batch) >= TUNABLES.watch_batch or queue.empty():
                 break
             event = queue.get_nowait()
         if batch:
