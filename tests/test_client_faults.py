@@ -169,7 +169,7 @@ def test_a_new_session_closes_the_breaker(daemon):
     client = daemon.client(timeout_s=TIMEOUT_S)
     hashes = [block_hash("restart", i) for i in range(4)]
     assert store(client, hashes) == hashes
-    wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+    wait_until(lambda: client.tools.stats().layouts[0].writing_behind == 0, "the disk writes")
     client.breaker._probe = lambda: False
     daemon.kill()
     wait_until(lambda: not client.connected, "the session to be lost")

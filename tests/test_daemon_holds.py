@@ -25,7 +25,7 @@ def flood(client, tag: str, blocks: int) -> None:
     for start in range(0, blocks, 8):
         hashes = [block_hash(tag, i) for i in range(start, start + 8)]
         assert store(client, hashes) == hashes
-        wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+        wait_until(lambda: client.tools.stats().layouts[0].writing_behind == 0, "the disk writes")
 
 
 def test_a_lookup_keeps_its_host_hits_for_the_acquire(daemon):
@@ -106,7 +106,7 @@ def test_a_promotion_that_finds_every_slot_held_ends_the_oldest_hold(daemon):
     flood(writer, "yield-old", HOST_SLOTS)
     for hashes in (on_disk, held, read):
         assert store(writer, hashes) == hashes
-        wait_until(lambda: writer.stats().layouts[0].writing_behind == 0, "the disk writes")
+        wait_until(lambda: writer.tools.stats().layouts[0].writing_behind == 0, "the disk writes")
     assert scheduler.lookup(held).host == share
     slots_b = reader.acquire(read)
     assert len(slots_b) == share  # every slot is pinned now: half held, half read

@@ -40,7 +40,7 @@ def flood(client, tag: str, blocks: int = 4 * HOST_SLOTS) -> None:
     for start in range(0, blocks, 8):
         hashes = [block_hash(tag, i) for i in range(start, start + 8)]
         assert store(client, hashes) == hashes
-        wait_until(lambda: client.stats().layouts[0].writing_behind == 0, "the disk writes")
+        wait_until(lambda: client.tools.stats().layouts[0].writing_behind == 0, "the disk writes")
 
 
 def host_hits(client, hashes: list[bytes]) -> int:
@@ -59,7 +59,7 @@ def test_pinned_blocks_survive_a_flood_that_evicts_everything_else(daemon):
     context = [block_hash("context", i) for i in range(BUDGET)]
     unpinned = [block_hash("unpinned", i) for i in range(BUDGET)]
     assert store(agent, context + unpinned) == context + unpinned
-    assert agent.pin(context, 600).result(timeout=30) == (BUDGET, 0)
+    assert agent.tools.pin(context, 600).result(timeout=30) == (BUDGET, 0)
     assert layout(daemon).pinned_blocks == BUDGET
     flood(other, "flood")
     assert host_hits(other, context) == BUDGET
@@ -76,7 +76,7 @@ def test_an_expired_pin_frees_its_blocks_to_the_lru(daemon):
     agent, other = daemon.client(client_name="agent"), daemon.client(client_name="other")
     context = [block_hash("short", i) for i in range(BUDGET)]
     assert store(agent, context) == context
-    assert agent.pin(context, 0.5).result(timeout=30) == (BUDGET, 0)
+    assert agent.tools.pin(context, 0.5).result(timeout=30) == (BUDGET, 0)
     assert layout(daemon).pinned_blocks == BUDGET
     wait_until(lambda: layout(daemon).pinned_blocks == 0, "the pin to lapse")
     flood(other, "after")
@@ -89,12 +89,12 @@ def test_pins_beyond_the_budget_are_refused_and_counted(daemon):
     agent, other = daemon.client(client_name="agent"), daemon.client(client_name="other")
     blocks = [block_hash("budget", i) for i in range(BUDGET + 3)]
     assert store(agent, blocks) == blocks
-    assert agent.pin(blocks, 600).result(timeout=30) == (BUDGET, 3)
-    assert agent.pin(blocks[:BUDGET], 900).result(timeout=30) == (BUDGET, 0)  # extends
+    assert agent.tools.pin(blocks, 600).result(timeout=30) == (BUDGET, 3)
+    assert agent.tools.pin(blocks[:BUDGET], 900).result(timeout=30) == (BUDGET, 0)  # extends
     stats = layout(daemon)
     assert (stats.pinned_blocks, stats.pins_refused) == (BUDGET, 3)
     # Another session has a budget of its own; a block both pin is one slot, two pins.
-    assert other.pin(blocks[BUDGET - 1 :], 600).result(timeout=30) == (4, 0)
+    assert other.tools.pin(blocks[BUDGET - 1 :], 600).result(timeout=30) == (4, 0)
     assert layout(daemon).pinned_blocks == BUDGET + 3
     flood(other, "flood")
     assert host_hits(other, blocks) == BUDGET + 3
@@ -106,7 +106,7 @@ def test_pins_outlive_the_session_that_made_them(daemon):
     agent = daemon.client(client_name="agent")
     context = [block_hash("restart", i) for i in range(BUDGET)]
     assert store(agent, context) == context
-    assert agent.pin(context, 600).result(timeout=30) == (BUDGET, 0)
+    assert agent.tools.pin(context, 600).result(timeout=30) == (BUDGET, 0)
     agent.close()  # the agent's engine restarts
     assert layout(daemon).pinned_blocks == BUDGET
     again = daemon.client(client_name="agent")
@@ -115,7 +115,7 @@ def test_pins_outlive_the_session_that_made_them(daemon):
     more = [block_hash("more", i) for i in range(BUDGET)]
     assert store(again, more) == more
     # The closed session's pins count against nobody: the new one has its whole budget.
-    assert again.pin(more, 600).result(timeout=30) == (BUDGET, 0)
+    assert again.tools.pin(more, 600).result(timeout=30) == (BUDGET, 0)
     again.close()
 
 
@@ -123,7 +123,7 @@ def test_a_pin_before_the_commit_takes_the_block_at_its_commit(daemon):
     agent = daemon.client(client_name="agent")
     blocks = [block_hash("early", i) for i in range(4)]
     slots = agent.reserve(blocks)
-    assert agent.pin(blocks, 600).result(timeout=30) == (4, 0)
+    assert agent.tools.pin(blocks, 600).result(timeout=30) == (4, 0)
     assert layout(daemon).pinned_blocks == 0
     assert agent.commit(slots)
     assert layout(daemon).pinned_blocks == 4
@@ -147,6 +147,6 @@ def test_bad_pins_are_refused_with_a_clear_status(daemon):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     client = daemon.client()
     failures = client.failures
-    assert client.pin([block_hash("bad", 0)], 0.0).result(timeout=30) == (0, 0)
+    assert client.tools.pin([block_hash("bad", 0)], 0.0).result(timeout=30) == (0, 0)
     assert client.failures == failures + 1
     client.close()

@@ -76,12 +76,12 @@ def worker(target: str, index: int, results) -> None:
         assert client.lookup([probe]).total == 0
         # bytes through gRPC
         put = [block_hash(f"put{index}", i) for i in range(3)]
-        assert client.put_blocks(put, [content(h).tobytes() for h in put]) == 3
-        got = client.get_blocks(put)
+        assert client.tools.put_blocks(put, [content(h).tobytes() for h in put]) == 3
+        got = client.tools.get_blocks(put)
         assert [np.frombuffer(g, np.uint8).tolist() for g in got] == [
             content(h).tolist() for h in put
         ]
-        assert client.stats().sessions >= 1
+        assert client.tools.stats().sessions >= 1
         results.put((index, len(stored_shared), client.failures))
     except BaseException as exc:
         results.put((index, repr(exc), -1))

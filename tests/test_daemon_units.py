@@ -158,9 +158,9 @@ def test_client_without_daemon_misses_and_never_raises(tmp_path):
         assert client.lookup(hashes).total == 0
         assert client.reserve(hashes) == [NO_SPACE] * 3
         assert client.acquire(hashes) == []
-        assert client.put_blocks(hashes[:1], [bytes(64)]) == 0
-        assert client.get_blocks(hashes) == []
-        assert client.stats() is None
+        assert client.tools.put_blocks(hashes[:1], [bytes(64)]) == 0
+        assert client.tools.get_blocks(hashes) == []
+        assert client.tools.stats() is None
         assert client.slab.shape == (0, 64)
         assert client.failures >= 5
         with pytest.raises(ValueError):

@@ -174,7 +174,7 @@ def slow_remote_p99_ms(root: Path, block_bytes: int, lookups: int) -> float | No
             # on the store, one after another. The small ones go every few milliseconds, as
             # an engine's steps ask, so that every wait of the loop would meet some of them.
             p99 = small_lookup_p99_ms(target, block_bytes, len(hashes), lookups, 0.005)
-            stats = client.stats()
+            stats = client.tools.stats()
             client.close()
             remote = next(t for t in stats.tiers if t.tier == "remote")
             if not remote.query_tokens or remote.other["fault_misses"]:

@@ -122,7 +122,7 @@ def drain_seconds(client: DaemonClient, timeout: float = 600.0) -> float:
     """Seconds until the daemon reports no committed block still being written to disk."""
     start = time.perf_counter()
     while True:
-        stats = client.stats()
+        stats = client.tools.stats()
         if stats is not None and not sum(layout.writing_behind for layout in stats.layouts):
             return time.perf_counter() - start
         if time.perf_counter() - start > timeout:

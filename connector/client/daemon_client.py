@@ -1,18 +1,13 @@
 """The engine side of the daemon: a ``LowerTier`` over gRPC and the shared-memory arena.
 
-``DaemonClient`` offers exactly what the in-process ``HostTier`` offers (``lookup``,
-``reserve``/``commit``/``abort``, ``acquire``/``release``, ``slab``, ``counters``), so
-``build_stack`` and the fall-through walk run unchanged with the lower tiers behind a daemon.
-
-It never raises into the engine for daemon trouble. Every call has a deadline; a lookup that
-fails is a miss, a reserve ``NO_SPACE``, an acquire a shorter prefix, each counted in
-``failures``. A missed deadline opens a circuit breaker, so a frozen daemon costs one deadline,
-not one per call. Large acquires and commits go in chunks (an acquire's deadline grows with
-its bytes); a chunk that fails costs that chunk only: the client cancels a late acquire
-(``Cancel`` with its call id gives back whatever the call took, even if it finishes later) or
-aborts a late commit's slots, and the session goes on. Only a failure it cannot repair (a
-release or abort the daemon never confirmed, or the session gone) gives the session up;
-``SessionKeeper`` then opens a new one.
+``DaemonClient`` offers what the in-process ``HostTier`` offers (``lookup``, ``reserve`` /
+``commit`` / ``abort``, ``acquire`` / ``release``, ``slab``, ``counters``), so the fall-through
+walk runs unchanged with the lower tiers behind a daemon. It never raises into the engine for
+daemon trouble: every call has a deadline, and a failure is a miss, ``NO_SPACE`` or a shorter
+prefix, counted in ``failures``; a missed deadline opens a circuit breaker (one deadline, not
+one per call). Acquires and commits go in chunks, a failed chunk costing that chunk only (a late
+acquire is cancelled by its call id, a late commit's slots aborted); only a failure it cannot
+repair gives the session up, and ``SessionKeeper`` opens a new one.
 """
 
 from __future__ import annotations
@@ -55,7 +50,7 @@ _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 """Codes that mean the session is gone on the daemon (it restarted, or ended the session)."""
 
 
-class DaemonClient(ToolCalls):
+class DaemonClient:
     """A ``LowerTier`` whose host and disk tiers live in a ``kvtier serve`` daemon.
 
     ``target`` is ``unix:/path`` or ``host:port`` (default: the socket of the daemon called
@@ -109,6 +104,8 @@ class DaemonClient(ToolCalls):
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
         self._call_ids = itertools.count(1)
+        # the breaker's trip ends the lookups waiting (one callable: leave_breaker names it)
+        self._end_lookups = lambda: self._lookups.end()
         self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
         local = (
@@ -146,6 +143,18 @@ class DaemonClient(ToolCalls):
             index_of=(self.target.removeprefix("unix:"), self.layout_signature)
             if lookup_index and self.target.startswith("unix:")
             else None,
+        )
+        self.tools = ToolCalls(
+            self._stub,
+            self._keeper,
+            self.breaker,
+            self._usable,
+            self._failed,
+            metadata=self._metadata,
+            layout_signature=self.layout_signature,
+            timeout_s=timeout_s,
+            block_bytes=block_bytes,
+            load_gbps=load_gbps,
         )
         self._later = LaterCalls(
             self._stub,
@@ -358,9 +367,6 @@ class DaemonClient(ToolCalls):
             self.failures += counts
             return None
         return session
-
-    def _end_lookups(self) -> None:
-        self._lookups.end()
 
     def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None:
         """Hands slots back: to the daemon if they belong to the live session, else only

@@ -1,26 +1,52 @@
 """``DaemonClient``'s calls off the engine's load and store path: bytes through gRPC rather
 than the arena (a client that cannot map it: another host, a test), pins, Stats, and the block
-event stream (routers' announcements). They share the session, breaker and failure handling of
-``daemon_client.py`` through the attributes named below.
+event stream (routers' announcements). ``DaemonClient.tools`` is one ``ToolCalls``, sharing
+the client's session, breaker and failure handling, which it is handed explicitly.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import grpc
 
+from kvtier.connector.client.circuit import CircuitBreaker
+from kvtier.connector.client.session import SessionKeeper
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.hashing import BlockHash
 
 
 class ToolCalls:
-    """Mixin of ``DaemonClient``: needs ``_stub``, ``_metadata``, ``_keeper``, ``breaker``,
-    ``_usable``, ``_failed``, ``layout_signature``, ``timeout_s``, ``block_bytes`` and
-    ``load_gbps``."""
+    def __init__(
+        self,
+        stub: pb_grpc.KvTierStub,
+        keeper: SessionKeeper,
+        breaker: CircuitBreaker,
+        usable: Callable[[bool], str | None],
+        failed: Callable[..., None],
+        *,
+        metadata,
+        layout_signature: bytes,
+        timeout_s: float,
+        block_bytes: int,
+        load_gbps: float,
+    ):
+        """``usable(counts)`` is the session to call on (None: none, or the breaker is open);
+        ``failed(method, error, session)`` counts a failed call and acts on it."""
+        self._stub = stub
+        self._keeper = keeper
+        self.breaker = breaker
+        self._usable = usable
+        self._failed = failed
+        self._metadata = metadata
+        self.layout_signature = layout_signature
+        self.timeout_s = timeout_s
+        self.block_bytes = block_bytes
+        self.load_gbps = load_gbps
 
     def put_blocks(
         self,

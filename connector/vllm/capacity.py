@@ -51,7 +51,7 @@ class TierWatch:
             self._take(self._call.result())
         if self._call is None and self._clock() - self._asked >= self._refresh_s:
             self._asked = self._clock()
-            self._call = self._pool.submit(self._client.stats)
+            self._call = self._pool.submit(self._client.tools.stats)
         gauges, self._gauges = self._gauges, None
         return gauges
 
@@ -61,7 +61,7 @@ class TierWatch:
         if self._call is not None:
             self._take(self._call.result(timeout))
         self._asked = self._clock()
-        self._call = self._pool.submit(self._client.stats)
+        self._call = self._pool.submit(self._client.tools.stats)
         reply = self._call.result(timeout)
         self._take(reply)
         return reply is not None

@@ -192,7 +192,7 @@ class TierEvents:
         while not self._closed.is_set():
             client.wait_connected(1.0)
             opened = client.sessions_opened
-            call = client.watch_events(replay=True)
+            call = client.tools.watch_events(replay=True)
             if call is None:
                 self._closed.wait(0.5)
                 continue

@@ -88,7 +88,7 @@ class RequestPins:
 def _send(pins: Pins) -> None:
     targets, seconds = pins
     for client, hashes in targets:
-        client.pin(hashes, seconds).add_done_callback(_refusals)
+        client.tools.pin(hashes, seconds).add_done_callback(_refusals)
 
 
 def _refusals(answer: Future[tuple[int, int]]) -> None:
