@@ -52,6 +52,8 @@ class StepClock:
 
 @pytest.fixture
 def slow_daemon():
+    """A daemon whose disk crawls; tests ask for it before ``make_engine``, so that their
+    engines are closed before it stops."""
     d = Daemon(
         host_bytes=64 * BLOCK_BYTES,
         disk_bytes=1024 * BLOCK_BYTES,
@@ -115,13 +117,16 @@ def test_capacity_gauges_carry_the_daemons_values(make_engine, daemon) -> None:
     assert age == payload["oldest_block_age_seconds.host"]
 
 
-def push_to_disk(engine, *prompts: list[int]) -> None:
+def push_to_disk(engine, daemon, *prompts: list[int]) -> None:
     """Stores ``prompts`` through ``engine``, then fills the 64-slot host tier many times
-    over so that their blocks are left on disk alone."""
+    over so that their blocks are left on disk alone. Each batch waits for its disk writes:
+    a slot being written down is pinned, and a store finding every slot pinned is dropped
+    rather than evicting the older blocks."""
     for i, tokens in enumerate(prompts):
         engine.add(tokens, f"stored-{i}")
     engine.run()
     for i in range(5):
+        wait_until(lambda: daemon_stats(daemon)["layouts"][0]["writing_behind"] == 0, "writes")
         engine.add([*prompt(300 + i, 20 * BLOCK), 1], f"filler-{i}")
         engine.run()
 
@@ -139,7 +144,7 @@ def run_probe_then_target(make_engine, daemon, **kwargs):
     """A probe's disk hit teaches the daemon its disk rate (taken: the gate knows no rate
     yet); then the target's disk hit meets the gate. Returns the second engine."""
     probe, target = prompt(51, 2 * BLOCK), prompt(52, 4 * BLOCK)
-    push_to_disk(make_engine(daemon=daemon), [*probe, 1], [*target, 1])
+    push_to_disk(make_engine(daemon=daemon), daemon, [*probe, 1], [*target, 1])
     engine = gate_engine(make_engine, daemon, **kwargs)
     engine.add([*probe, 2], "probe")
     engine.run()
@@ -153,7 +158,7 @@ def run_probe_then_target(make_engine, daemon, **kwargs):
     return engine
 
 
-def test_gate_recomputes_a_hit_on_a_crawling_disk(make_engine, slow_daemon) -> None:
+def test_gate_recomputes_a_hit_on_a_crawling_disk(slow_daemon, make_engine) -> None:
     engine = run_probe_then_target(make_engine, slow_daemon)
     gate = engine.connector.scheduler.hits.gate
     disk_tokens_per_s = engine.connector.scheduler.hits.watch.read_bytes_per_s["disk"] / (
@@ -172,7 +177,7 @@ def test_gate_recomputes_a_hit_on_a_crawling_disk(make_engine, slow_daemon) -> N
     assert declined == 4 * BLOCK
 
 
-def test_without_the_gate_the_crawling_disk_is_loaded(make_engine, slow_daemon) -> None:
+def test_without_the_gate_the_crawling_disk_is_loaded(slow_daemon, make_engine) -> None:
     engine = run_probe_then_target(make_engine, slow_daemon, load_gate=False)
     assert engine.hit_sources.get(CacheHitSource.DISK) == 6 * BLOCK
     assert "declined_hit_tokens.disk" not in engine.scheduler_stats

@@ -8,6 +8,7 @@ never holds up a step.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +18,8 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.tunables import TUNABLES
 from kvtier.connector.vllm.stats import TIERS
 from kvtier.proto import kvtier_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 _SUMMED = ("used_bytes", "capacity_bytes", "used_blocks", "capacity_blocks")
 
@@ -48,7 +51,7 @@ class TierWatch:
         """Never blocks: takes the answer of the last call if it is in, starts the next one
         when it is due; returns gauges keyed ``<name>.<tier>`` once per answer, else None."""
         if self._call is not None and self._call.done():
-            self._take(self._call.result())
+            self._take(self._call)
         if self._call is None and self._clock() - self._asked >= self._refresh_s:
             self._asked = self._clock()
             self._call = self._pool.submit(self._client.tools.stats)
@@ -59,20 +62,26 @@ class TierWatch:
         """Asks the daemon now and waits for its answer; for tests, which want the state they
         check not to depend on when the last call ran. vLLM never waits."""
         if self._call is not None:
-            self._take(self._call.result(timeout))
+            self._call.exception(timeout)  # waits for it
+            self._take(self._call)
         self._asked = self._clock()
-        self._call = self._pool.submit(self._client.tools.stats)
-        reply = self._call.result(timeout)
-        self._take(reply)
-        return reply is not None
+        call = self._call = self._pool.submit(self._client.tools.stats)
+        call.exception(timeout)
+        return self._take(call)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _take(self, reply: pb.StatsResponse | None) -> None:
+    def _take(self, call: Future[pb.StatsResponse | None]) -> bool:
+        """Reads a finished call's answer; False (the last values stand) if there is none."""
         self._call = None
+        error = call.exception()
+        if error is not None:  # not an RPC error (those the client counts): a closed channel
+            log.warning("kvtier: reading the daemon's stats failed: %r", error)
+            return False
+        reply = call.result()
         if reply is None:
-            return  # the daemon did not answer (counted by the client): the last values stand
+            return False  # the daemon did not answer (counted by the client)
         gauges: dict[str, float] = {}
         for tier in reply.tiers:
             if tier.layout not in self._layouts or tier.tier not in TIERS:
@@ -86,3 +95,4 @@ class TierWatch:
             if tier.layout == self._main and tier.read_bytes_per_s > 0:
                 self.read_bytes_per_s[tier.tier] = tier.read_bytes_per_s
         self._gauges = gauges
+        return True
