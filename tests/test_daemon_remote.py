@@ -49,13 +49,11 @@ def test_a_prefix_stored_on_one_node_is_a_remote_hit_on_another(nodes):
     assert on_b.lookup(hashes).host == len(hashes)
     remote_b = remote_tier(b)
     assert remote_b.hit_tokens == len(hashes) * 16
-    host_b = next(t for t in b.tools.stats().tiers if t.tier == "host")
+    host_b = next(t for t in b.stats().tiers if t.tier == "host")
     assert host_b.blocks_promoted == len(hashes)
     # B's disk tier got them too: B keeps them even with the store gone
     wait_until(
-        lambda: (
-            next(t for t in b.tools.stats().tiers if t.tier == "disk").used_blocks == len(hashes)
-        ),
+        lambda: next(t for t in b.stats().tiers if t.tier == "disk").used_blocks == len(hashes),
         "node B's disk writes",
     )
     server.kill()
