@@ -100,6 +100,12 @@ class Fuzzer:
                 )
             case "Get":
                 return pb.GetRequest(session_id=self.session(), hashes=self.hashes())
+            case "Pin":
+                return pb.PinRequest(
+                    session_id=self.session(),
+                    hashes=self.hashes(),
+                    seconds=r.choice([0.0, -1.0, 1.0, 1e12, float("nan"), float("inf")]),
+                )
             case "Stats":
                 return pb.StatsRequest()
             case "WatchEvents":
