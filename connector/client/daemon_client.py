@@ -104,7 +104,6 @@ class DaemonClient:
         self._lock = threading.Lock()
         self._ledger = SlotLedger(self._lock)
         self._call_ids = itertools.count(1)
-        # the breaker's trip ends the lookups waiting (one callable: leave_breaker names it)
         self._end_lookups = lambda: self._lookups.end()
         self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
