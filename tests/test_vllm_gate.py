@@ -159,7 +159,7 @@ def run_probe_then_target(make_engine, daemon, **kwargs):
 
 
 def test_gate_recomputes_a_hit_on_a_crawling_disk(slow_daemon, make_engine) -> None:
-    engine = run_probe_then_target(make_engine, slow_daemon)
+    engine = run_probe_then_target(make_engine, slow_daemon, load_gate=True)
     gate = engine.connector.scheduler.hits.gate
     disk_tokens_per_s = engine.connector.scheduler.hits.watch.read_bytes_per_s["disk"] / (
         gate.bytes_per_token
@@ -184,7 +184,7 @@ def test_without_the_gate_the_crawling_disk_is_loaded(slow_daemon, make_engine) 
 
 
 def test_gate_takes_a_hit_from_a_fast_disk(make_engine, daemon) -> None:
-    engine = run_probe_then_target(make_engine, daemon)
+    engine = run_probe_then_target(make_engine, daemon, load_gate=True)
     gate = engine.connector.scheduler.hits.gate
     assert gate.prefill_tokens_per_s is not None
     assert engine.hit_sources.get(CacheHitSource.DISK) == 6 * BLOCK

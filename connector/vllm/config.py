@@ -49,9 +49,11 @@ class KVTierConfig:
     session every lookup is a miss; the client keeps reconnecting in the background."""
     min_hit_blocks: int = 1
     """Fewest blocks worth loading; shorter hits are recomputed."""
-    load_gate: bool = True
+    load_gate: bool = False
     """Load only the part of a hit whose tier delivers it faster than the engine computes
-    it (measured as it runs); the rest is recomputed and counted as declined."""
+    it (measured as it runs); the rest is recomputed and counted as declined. Off until its
+    estimates are proven beyond small CPU engines, whose per-read overheads make a disk look
+    slower than it is."""
 
     def __post_init__(self) -> None:
         if self.store_policy not in STORE_POLICIES:
