@@ -619,9 +619,11 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
 
 # ---------------------------------------------------------------- upgrading the daemon
 
-UPGRADE_CONFIGS = ("sync-on_compute", "async-on_compute")
+UPGRADE_CONFIGS = ("sync-on_compute",)
 """Configurations whose stores start at each request's prefill, so that a pass has stored
-part of its blocks, and not all, when the daemon restarts under it."""
+part of its blocks, and not all, when the daemon restarts under it. (``async-on_compute``
+stores early too, but on an idle machine its pass can end before the restart lands: it
+waits for a pass that the test can hold open.)"""
 ARENA_ROOM = 1.3
 """The arena directory's size, in host tiers: room for one arena and a bit, never two."""
 RESTART_AFTER_BLOCKS = 10
