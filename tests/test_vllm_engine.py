@@ -229,7 +229,8 @@ class PassResult:
             f"daemon reads {self.reads}; loaded {self.counter('loaded_blocks')}, "
             f"load failed {self.counter('load_failed_blocks')}, stored "
             f"{self.counter('stored_blocks')}, preemptions "
-            f"{int(self.vllm.get('vllm:num_preemptions', 0))}"
+            f"{int(self.vllm.get('vllm:num_preemptions', 0))}, daemon failures "
+            f"{self.counter('daemon_failures')}, trips {self.counter('daemon_trips')}"
         )
 
 
@@ -276,7 +277,8 @@ class KVTierEngine:
         )
         self.passes[workload] = result
         print(f"[{self.name}] {workload}: {result.summary()}")
-        if result.counter("load_failed_blocks"):  # why, in the failure's captured output
+        trouble_counters = ("load_failed_blocks", "daemon_failures", "daemon_trips")
+        if any(result.counter(name) for name in trouble_counters):  # why, should a test fail
             for path in (self.daemon.log, self.engine.log_path):
                 lines = path.read_text(errors="replace").splitlines()
                 trouble = [line for line in lines if "WARNING" in line or "ERROR" in line]

@@ -42,7 +42,7 @@ from kvtier.connector.vllm.identity import ModelIdentity
 from kvtier.connector.vllm.metadata import KVTierMetadata, StoreSpec
 from kvtier.connector.vllm.pins import RequestPins
 from kvtier.connector.vllm.request import RequestState
-from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats, breaker_trips
+from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ class SchedulerSide:
         self._delay_free_new: set[str] = set()
         self._delayed_free: set[str] = set()
         self._trouble = DaemonTrouble(trips=False)
-        self._trips_seen = 0
         self._hash_tokens = hash_block_size or groups[0].block_size
         """Tokens vLLM hashes at a time (``request.block_hashes``)."""
         self._tags = self._namespace_tags()
@@ -325,16 +324,16 @@ class SchedulerSide:
             self.pins.sent(req_id)
 
     def _follow_worker_trips(self, reported: KVTierStats | None) -> None:
-        """A worker in a process of its own waited out a deadline: lookups sent now would
-        each wait one too, and the requests behind them. (A worker in this process shares
-        the breaker, which then opened already: its trip is not followed twice.)"""
-        reported_trips = reported.data.get("daemon_trips", 0) if reported is not None else 0
-        trips = breaker_trips(self.clients.values())
-        if reported_trips and trips == self._trips_seen:
-            for client in self.clients.values():
+        """A worker in a process of its own waits out deadlines: lookups sent now would each
+        wait one too, and the requests behind them. Only a breaker still open when the worker
+        reported counts: a trip already over (the daemon restarted between two steps and
+        answers again) would make the next lookups miss for nothing. (A worker in this
+        process shares the breaker, which then is open already.)"""
+        if reported is None or not reported.data.get("workers_unanswered"):
+            return
+        for client in self.clients.values():
+            if not client.breaker.is_open:
                 client.breaker.trip("a worker found the daemon not answering")
-            trips = breaker_trips(self.clients.values())
-        self._trips_seen = trips
 
     def reset_cache(self) -> bool:
         """Fences off every block stored so far: this engine never loads them again.

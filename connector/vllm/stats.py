@@ -51,8 +51,17 @@ GAUGES: dict[str, str] = {
     "oldest_block_age_seconds": "Seconds since the kvtier tier's least recently used block "
     "was last used (tiers that keep times)",
 }
+SIGNALS: dict[str, str] = {
+    "workers_unanswered": "Workers whose breaker was open when they reported: the scheduler "
+    "opens its own (a trip already over, the daemon answering again, is not followed)",
+}
+"""What workers tell the scheduler and nobody else: neither exported nor logged."""
 _GAUGE_KEYS = frozenset(f"{name}.{tier}" for name in GAUGES for tier in TIERS)
-_KEYS = frozenset(COUNTERS) | {f"{name}.{tier}" for name in TIER_COUNTERS for tier in TIERS}
+_KEYS = (
+    frozenset(COUNTERS)
+    | {f"{name}.{tier}" for name in TIER_COUNTERS for tier in TIERS}
+    | frozenset(SIGNALS)
+)
 
 
 class KVTierStats(KVConnectorStats):
@@ -92,7 +101,9 @@ class KVTierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        reduced: dict[str, int | float] = dict(self.data)
+        reduced: dict[str, int | float] = {
+            key: value for key, value in self.data.items() if key not in SIGNALS
+        }
         lookups = reduced.get("lookup_tokens", 0)
         if lookups:
             hits = sum(reduced.get(f"{tier}_hit_tokens", 0) for tier in ("host", "disk", "remote"))
@@ -161,9 +172,10 @@ def _per_tier(
 
 
 class DaemonTrouble:
-    """Counts one side's daemon failures, and with ``trips`` its breaker trips, into its
-    ``KVTierStats``. Only workers count trips: a scheduler in a worker's process shares its
-    breaker, and one in a process of its own trips when a worker reports one."""
+    """Counts one side's daemon failures, and with ``trips`` its breaker trips and whether
+    one is open now, into its ``KVTierStats``. Only workers count trips: a scheduler in a
+    worker's process shares its breaker, and one in a process of its own opens its breaker
+    when a worker reports one open."""
 
     def __init__(self, trips: bool) -> None:
         self._count_trips = trips
@@ -174,14 +186,15 @@ class DaemonTrouble:
         """Adds what happened since the last count."""
         clients = list(clients)
         failures = sum(client.failures for client in clients)
-        trips = breaker_trips(clients)
+        trips = _breaker_trips(clients)
         stats.add("daemon_failures", failures - self._failures)
         if self._count_trips:
             stats.add("daemon_trips", trips - self._trips)
+            stats.add("workers_unanswered", int(any(c.breaker.is_open for c in clients)))
         self._failures, self._trips = failures, trips
 
 
-def breaker_trips(clients: Iterable[DaemonClient]) -> int:
+def _breaker_trips(clients: Iterable[DaemonClient]) -> int:
     """How often the clients' breakers opened (clients of one daemon in a process share one:
     it counts once)."""
     breakers = {id(client.breaker): client.breaker for client in clients}
