@@ -287,9 +287,14 @@ class KVTierEngine:
         print(f"[{self.name}] {workload}: {result.summary()}")
         trouble_counters = ("load_failed_blocks", "daemon_failures", "daemon_trips")
         if any(result.counter(name) for name in trouble_counters):  # why, should a test fail
-            for path in (self.daemon.log, self.engine.log_path):
+            for path, mark in ((self.daemon.log, ""), (self.engine.log_path, "kvtier")):
                 lines = path.read_text(errors="replace").splitlines()
-                trouble = [line for line in lines if "WARNING" in line or "ERROR" in line]
+                trouble = [
+                    line
+                    for line in lines
+                    if ("WARNING" in line or "ERROR" in line or "kvtier daemon" in line)
+                    and mark in line
+                ]
                 print(*trouble[-20:], sep="\n")
         return result
 
