@@ -107,10 +107,15 @@ class LayoutStore:
         return list(self.counters.values())
 
     def oldest_block_age_s(self, tier: str) -> float | None:
-        """Seconds since the tier's least recently used block was last used; None where the
-        tier keeps no such time (the disk's LMDB order and the remote store's own LRU keep
-        an order, not times)."""
-        return self.host.oldest_block_age_s() if tier == HOST else None
+        """Seconds since the tier's least recently used block was last used (the disk's: an
+        upper bound, about a second over); None where the tier keeps no such time (the remote
+        store's own LRU) or none dates that block yet (a disk index from before it kept
+        times)."""
+        if tier == HOST:
+            return self.host.oldest_block_age_s()
+        if tier == DISK and self.disk is not None:
+            return self.disk.oldest_block_age_s()
+        return None
 
     # ---- operations (the daemon has validated ownership and arguments) ----
 

@@ -49,7 +49,7 @@ GAUGES: dict[str, str] = {
     "used_blocks": "Blocks the kvtier tier holds (all of this engine's layouts)",
     "capacity_blocks": "Blocks the kvtier tier can hold (all of this engine's layouts)",
     "oldest_block_age_seconds": "Seconds since the kvtier tier's least recently used block "
-    "was last used (tiers that keep times)",
+    "was last used (host, disk; the disk's is an upper bound about a second over)",
 }
 SIGNALS: dict[str, str] = {
     "workers_unanswered": "Workers whose breaker was open when they reported: the scheduler "

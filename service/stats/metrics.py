@@ -41,7 +41,8 @@ _GAUGES = {
     ),
 }
 _AGE = "oldest_block_age_s"
-"""Only the tiers that keep times report it (the host tier)."""
+"""Only the tiers that keep times report it (host, disk), and the disk only once a time dates
+its oldest block."""
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 2.5)
 
 

@@ -19,8 +19,9 @@ import numpy as np
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk.index import FORMAT_VERSION, BlockIndex, Entry
+from kvtier.tiers.disk.index import FORMAT_VERSION, MAX_META_BYTES, BlockIndex, Entry
 from kvtier.tiers.disk.slots import PAGE, BufferPool, SlotFile, SlotTable
+from kvtier.tiers.hashing import check_hash
 from kvtier.tiers.ratelog import RateLimitedLog
 
 # Queue operations; the ones below FLUSH change the database.
@@ -46,6 +47,23 @@ class Pending:
         self.meta = meta
         self.callbacks = [] if on_done is None else [on_done]
         self.readers = 0
+
+
+def check_block(
+    block_hash: bytes, data: Any, meta: bytes, block_bytes: int
+) -> tuple[memoryview, bytes]:
+    """A store's arguments checked (``ValueError`` if bad): the payload as bytes, the meta."""
+    check_hash(block_hash)
+    try:
+        src = memoryview(data).cast("B")
+    except TypeError as exc:
+        raise ValueError(f"block must be a C-contiguous buffer: {exc}") from None
+    if src.nbytes != block_bytes:
+        raise ValueError(f"block must be {block_bytes} bytes, got {src.nbytes}")
+    meta = bytes(meta)
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"meta must be at most {MAX_META_BYTES} bytes, got {len(meta)}")
+    return src, meta
 
 
 @dataclass(eq=False, slots=True)

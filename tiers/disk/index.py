@@ -1,11 +1,11 @@
 """The disk tier's index: small LMDB entries that say where each block is, and its recency.
 
-Two named databases change together in the same transactions: ``index`` maps a 16-byte block
-hash to an ``Entry`` (format version, access sequence number, slot, layout signature, payload
-length, xxh3_64 of the payload) followed by the block's meta (opaque bytes, at most
+Three named databases change together in the same transactions: ``index`` maps a 16-byte
+block hash to an ``Entry`` (format version, access sequence number, slot, layout signature,
+payload length, xxh3_64 of the payload) followed by the block's meta (opaque bytes, at most
 ``MAX_META_BYTES``); ``order`` maps the big-endian sequence number back to the hash, so its first
-key is the least recently used block. The block bytes themselves live in the data file
-(``slots``).
+key is the least recently used block; ``clock`` dates some sequence numbers (``clock``), so the
+oldest block's age is known. The block bytes themselves live in the data file (``slots``).
 
 Format 2 entries (no meta) are still read, as blocks with empty meta; an entry is written in
 the current format whenever it is rewritten (a read bumping its recency, a move at open).
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
 import lmdb
 
+from kvtier.tiers.disk.clock import AccessClock
 from kvtier.tiers.lower import MAX_META_BYTES
 
 log = logging.getLogger(__name__)
@@ -71,14 +73,16 @@ class BlockIndex:
     """The ``index`` and ``order`` databases of the LMDB environment at ``path``.
 
     Files are created with mode 0600. ``map_size`` is address space only: the file grows as
-    used.
+    used. ``clock`` gives the wall-clock times that date the access order.
     """
 
-    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
+    def __init__(
+        self, path: str, *, map_size: int, sync: bool, clock: Callable[[], float] = time.time
+    ) -> None:
         self.env = lmdb.open(
             path,
             map_size=map_size,
-            max_dbs=3,
+            max_dbs=4,
             max_readers=512,
             sync=sync,
             metasync=sync,
@@ -88,6 +92,7 @@ class BlockIndex:
             self.env.reader_check()
             self._index = self.env.open_db(b"index")
             self._order = self.env.open_db(b"order")
+            self._clock = AccessClock(self.env, self._order, clock)
         except BaseException:
             self.env.close()
             raise
@@ -134,6 +139,13 @@ class BlockIndex:
         self._next_seq += 1  # a gap left by an aborted transaction is harmless
         txn.put(block_hash, entry._replace(seq=seq).pack(), db=self._index)
         txn.put(_SEQ.pack(seq), block_hash, db=self._order)
+        self._clock.stamp(txn, seq)
+
+    def oldest_age_s(self) -> float | None:
+        """Seconds since the least recently used block was last used, an upper bound with about
+        a second's resolution (``clock``); 0.0 with no blocks; None if no sample dates it."""
+        with self.read() as txn:
+            return self._clock.age_s(txn)
 
     def replace(self, txn: lmdb.Transaction, block_hash: bytes, entry: Entry) -> None:
         """Rewrites an entry in place (same sequence number)."""
@@ -178,7 +190,8 @@ class BlockIndex:
         """At open: returns ({hash: entry} kept, how many dropped).
 
         Drops entries of another format, entries ``keep`` refuses and all but one entry per
-        slot; makes ``order`` follow the index; drops format 1's payload database.
+        slot; makes ``order`` follow the index and ``clock`` date only what it still holds;
+        drops format 1's payload database.
         """
         if txn.get(b"blocks") is not None:  # format 1 kept the payloads in LMDB itself
             txn.drop(self.env.open_db(b"blocks", txn=txn), delete=True)
@@ -206,6 +219,7 @@ class BlockIndex:
                 txn.put(_SEQ.pack(entry.seq), block_hash, db=self._order)
         cursor = txn.cursor(db=self._order)
         self._next_seq = _SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+        self._clock.load(txn, self._next_seq)
         return entries, len(dropped)
 
     def sync(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import lmdb
@@ -72,13 +73,13 @@ def open_state(
     block_bytes: int,
     capacity_blocks: int,
     spare_slots: int,
-    map_size: int,
-    sync: bool,
+    open_index: Callable[[str], BlockIndex],
     counters: TierCounters,
 ) -> DiskState:
-    """Opens the index and the data file in ``directory`` (held) and recovers their blocks;
-    an index found damaged before or while doing so is moved aside and the tier starts empty.
-    Returns the tier's shared state, ``counters`` set to what recovery found.
+    """Opens the index (``open_index(path)``) and the data file in ``directory`` (held) and
+    recovers their blocks; an index found damaged before or while doing so is moved aside and
+    the tier starts empty. Returns the tier's shared state, ``counters`` set to what recovery
+    found.
     """
     total_slots = capacity_blocks + spare_slots
     pool = BufferPool(
@@ -86,7 +87,7 @@ def open_state(
     )
 
     def attempt() -> tuple[BlockIndex, SlotFile, Recovered]:
-        index = BlockIndex(directory.path, map_size=map_size, sync=sync)
+        index = open_index(directory.path)
         slots = None
         try:
             slots = SlotFile(os.path.join(directory.path, DATA_FILE), pool.size, pool)

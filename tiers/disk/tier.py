@@ -16,6 +16,7 @@ never data.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -26,9 +27,9 @@ import lmdb
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk.commit import DROP, FLUSH, PUT, STOP, TOUCH, Pending
+from kvtier.tiers.disk.commit import DROP, FLUSH, PUT, STOP, TOUCH, Pending, check_block
 from kvtier.tiers.disk.directory import TierDirectory
-from kvtier.tiers.disk.index import MAX_META_BYTES, UNREADABLE, Entry
+from kvtier.tiers.disk.index import MAX_META_BYTES, UNREADABLE, BlockIndex, Entry
 from kvtier.tiers.disk.recovery import open_state, plan
 from kvtier.tiers.disk.slots import DATA_FILE
 from kvtier.tiers.disk.writer import DiskWriter, Flush
@@ -62,7 +63,8 @@ class DiskTier:
     recompute).
 
     ``read_delay_s`` slows every read from the device by that much: a fault-injection knob
-    for tests and demonstrations of a crawling disk, 0 in service.
+    for tests and demonstrations of a crawling disk, 0 in service. ``clock`` (wall-clock
+    seconds) dates the access order, for ``oldest_block_age_s``.
 
     Opening takes the directory for this process (``DirectoryInUse`` names the holder's pid)
     and moves a damaged index aside, logging where, then starts empty.
@@ -81,6 +83,7 @@ class DiskTier:
         map_size: int | None = None,
         flush_interval_s: float = 1.0,
         read_delay_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if len(layout_signature) != _SIGNATURE_BYTES:
             raise ValueError(f"layout signature must be {_SIGNATURE_BYTES} bytes")
@@ -99,9 +102,10 @@ class DiskTier:
         self._closed = False
         self._dir = TierDirectory(os.path.realpath(path))
         signature = bytes(layout_signature)
+        index = functools.partial(BlockIndex, map_size=map_size, sync=sync, clock=clock)
         try:
             self._s = open_state(
-                self._dir, signature, block_bytes, capacity, batch, map_size, sync, self.counters
+                self._dir, signature, block_bytes, capacity, batch, index, self.counters
             )
         except BaseException:
             self._dir.release()
@@ -146,6 +150,15 @@ class DiskTier:
                 if not is_pending and not self._s.index.has(txn, h):
                     return n
         return len(hashes)
+
+    def oldest_block_age_s(self) -> float | None:
+        """Seconds since the least recently used committed block was last used: an upper
+        bound, about a second over (``clock``); 0.0 when empty; None when no time dates that
+        block (written by a version that kept none) or the tier is closed."""
+        try:
+            return self._s.index.oldest_age_s()
+        except lmdb.Error:
+            return None
 
     def get_meta(self, block_hash: bytes) -> bytes | None:
         """The meta stored with the block, None if this tier does not hold it."""
@@ -233,7 +246,7 @@ class DiskTier:
         commits them later (``flush`` waits for that). A block already held is left as it is.
         Raises ``RuntimeError`` once the tier is closed.
         """
-        src, meta = self._check_block(block_hash, data, meta)
+        src, meta = check_block(block_hash, data, meta, self.block_bytes)
         with self._lock:
             self._check_open()
         if self.contains(block_hash):
@@ -268,7 +281,7 @@ class DiskTier:
         not block and must not call into this tier. The block is readable at once. Bad
         arguments raise ``ValueError`` and call nothing.
         """
-        src, meta = self._check_block(block_hash, data, meta)
+        src, meta = check_block(block_hash, data, meta, self.block_bytes)
         done = on_done if on_done is not None else _ignore
         with self._lock:
             outcome = self._join_or_refuse(block_hash, done)
@@ -326,19 +339,6 @@ class DiskTier:
         self.close()
 
     # ---- helpers for any thread ----
-
-    def _check_block(self, block_hash: bytes, data: Any, meta: bytes) -> tuple[memoryview, bytes]:
-        check_hash(block_hash)
-        try:
-            src = memoryview(data).cast("B")
-        except TypeError as exc:
-            raise ValueError(f"block must be a C-contiguous buffer: {exc}") from None
-        if src.nbytes != self.block_bytes:
-            raise ValueError(f"block must be {self.block_bytes} bytes, got {src.nbytes}")
-        meta = bytes(meta)
-        if len(meta) > MAX_META_BYTES:
-            raise ValueError(f"meta must be at most {MAX_META_BYTES} bytes, got {len(meta)}")
-        return src, meta
 
     def _check_open(self) -> None:
         """Raises unless the writer can still take work; call with ``_lock`` held."""
