@@ -97,8 +97,9 @@ def test_capacity_gauges_carry_the_daemons_values(make_engine, daemon) -> None:
             assert payload[f"{name}.{tier}"] == after[tier][name], (name, tier)
     assert payload["used_blocks.host"] == 4
     assert payload["capacity_blocks.host"] == 64
-    assert 0 <= payload["oldest_block_age_seconds.host"] <= after["host"]["oldest_block_age_s"]
-    assert "oldest_block_age_seconds.disk" not in payload  # the disk keeps no times
+    for tier in ("host", "disk"):
+        age = payload[f"oldest_block_age_seconds.{tier}"]
+        assert 0 <= age <= after[tier]["oldest_block_age_s"], tier
 
     # vLLM adds up the stats of many steps: gauges keep the latest reading, counters add.
     older = KVTierStats(data={"used_blocks.host": 1, "lookup_tokens": 5})
@@ -113,8 +114,10 @@ def test_capacity_gauges_carry_the_daemons_values(make_engine, daemon) -> None:
     used = registry.get_sample_value("vllm:kvtier_used_bytes", host)
     assert used == after["host"]["used_bytes"] == 4 * BLOCK_BYTES
     assert registry.get_sample_value("vllm:kvtier_capacity_blocks", host) == 64
-    age = registry.get_sample_value("vllm:kvtier_oldest_block_age_seconds", host)
-    assert age == payload["oldest_block_age_seconds.host"]
+    for tier in ("host", "disk"):
+        labels = {**LABELS, "tier": tier}
+        age = registry.get_sample_value("vllm:kvtier_oldest_block_age_seconds", labels)
+        assert age == payload[f"oldest_block_age_seconds.{tier}"], tier
 
 
 def push_to_disk(engine, daemon, *prompts: list[int]) -> None:
