@@ -158,6 +158,21 @@ def test_disk_clock_stays_bounded_under_constant_eviction(tmp_path) -> None:
     assert clock_samples(tmp_path) <= capacity + 1
 
 
+def test_disk_reopen_forgets_samples_of_numbers_issued_again(tmp_path) -> None:
+    clock = Clock(1000.0)
+    with disk_tier(tmp_path, clock) as tier:
+        for i in range(5):
+            put(tier, i)  # a sample each
+            clock.now += 1.0
+    other = bytes(reversed(SIGNATURE))
+    with DiskTier(tmp_path, other, DISK_BLOCK, 8 * DISK_BLOCK, sync=False, clock=clock) as tier:
+        assert tier.counters.blocks_evicted == 5  # another layout's: dropped, numbering restarts
+        for i in range(3):
+            put(tier, i)  # within one second: one sample
+        assert tier.oldest_block_age_s() == 0.0
+    assert clock_samples(tmp_path) == 1
+
+
 def test_disk_clock_thins_under_reads_but_keeps_the_oldest_blocks_time(
     tmp_path, monkeypatch
 ) -> None:
