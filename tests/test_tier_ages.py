@@ -146,6 +146,22 @@ def test_disk_blocks_stored_before_the_clock_have_no_age_until_they_are_gone(tmp
         assert tier.oldest_block_age_s() == 7.0  # block 2, stored at 2000
 
 
+def test_disk_clock_stays_bounded_while_undated_blocks_stay(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(disk_clock, "MAX_SAMPLES", 8)
+    clock = Clock(1000.0)
+    with disk_tier(tmp_path, clock) as tier:
+        for i in range(3):
+            put(tier, i)
+    with lmdb.open(str(tmp_path), max_dbs=4) as env, env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"clock", txn=txn), delete=True)  # an index from before it
+    with disk_tier(tmp_path, clock) as tier:
+        for n in range(100):  # block 0 stays the oldest, and undated
+            clock.now += 1.0
+            read(tier, 1 + n % 2)
+        assert tier.oldest_block_age_s() is None
+    assert clock_samples(tmp_path) <= 8
+
+
 def test_disk_clock_stays_bounded_under_constant_eviction(tmp_path) -> None:
     clock = Clock(1000.0)
     capacity = 4

@@ -87,22 +87,19 @@ class AccessClock:
     def _prune(self, txn: lmdb.Transaction) -> None:
         oldest = txn.cursor(db=self._order)
         cursor = txn.cursor(db=self._db)
-        if not oldest.first() or not _at_or_before(cursor, bytes(oldest.key())):
-            return
-        keep = bytes(cursor.key())
-        older = []
-        while cursor.prev():
-            older.append(bytes(cursor.key()))
-        for key in older:
-            txn.delete(key, db=self._db)
+        if oldest.first() and _at_or_before(cursor, bytes(oldest.key())):
+            older = []  # before the sample that dates the oldest block: they date no block
+            while cursor.prev():
+                older.append(bytes(cursor.key()))
+            for key in older:
+                txn.delete(key, db=self._db)
         if txn.stat(self._db)["entries"] > MAX_SAMPLES:
-            self._thin(txn, keep)
+            self._thin(txn)
 
-    def _thin(self, txn: lmdb.Transaction, keep: bytes) -> None:
-        """Deletes every other sample after ``keep`` (which dates the oldest block), never the
-        newest (which dates what is issued next)."""
+    def _thin(self, txn: lmdb.Transaction) -> None:
+        """Deletes every other sample, never the first (which dates the oldest block, once
+        pruned) nor the newest (which dates what is issued next)."""
         cursor = txn.cursor(db=self._db)
-        cursor.set_key(keep)
         keys = [bytes(key) for key in cursor.iternext(keys=True, values=False)]
         for key in keys[1:-1:2]:
             txn.delete(key, db=self._db)
