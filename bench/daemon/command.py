@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rate", type=float, default=10.0, help="mix requests per second per client"
     )
-    parser.add_argument("--seconds", type=float, default=10.0, help="how long the mix runs")
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long the mix runs")
     parser.add_argument(
         "--lookup-index", action="store_true", help="mix clients probe the lookup index first"
     )
