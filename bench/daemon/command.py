@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--clients", type=int, default=2, help="paced mix client processes")
     parser.add_argument(
-        "--rate", type=float, default=10.0, help="mix requests per second per client"
+        "--rate", type=float, default=5.0, help="mix requests per second per client"
     )
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the mix runs")
     parser.add_argument(

@@ -12,7 +12,8 @@ clients' schedules are staggered). One request is what the connector does for a 
 Each call is timed on its own, copies left out: a slot operation is a Reserve+Commit or an
 Acquire+Release timed as one (Release is sent without waiting for its answer, as the
 connector sends it; the next Reserve or Acquire waits for it). A client that misses a call's
-deadline, a hit or a slot fails the benchmark.
+deadline, a hit or a slot fails the benchmark; the deadlines are long (30 s), so that a
+stall of a busy machine shows in the p99 rather than ending the run.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def mix_client(plan: MixPlan, index: int, clients: int, ready, go, begin, out) -
         block_tokens=16,
         target=plan.target,
         client_name=f"bench-mix-{index}",
+        timeout_s=30,
         lookup_index=plan.lookup_index,
     )
     try:
