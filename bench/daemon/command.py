@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=32, help="blocks per store/load batch")
     parser.add_argument("--rounds", type=int, default=8, help="timed store/load batches")
     parser.add_argument(
-        "--quick", action="store_true", help="tiny sizes, seconds in all (overrides the sizes)"
+        "--quick", action="store_true", help="tiny sizes for a test (overrides the size options)"
     )
 
 
