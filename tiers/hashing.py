@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 import xxhash
@@ -28,6 +29,15 @@ def check_hash(block_hash: bytes) -> None:
     """Raises ``ValueError`` unless ``block_hash`` is a 16-byte ``bytes``."""
     if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
         raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {block_hash!r:.40}")
+
+
+def check_hashes(hashes: Sequence[bytes]) -> None:
+    """``check_hash`` of every hash, the checks run in C (a lookup names up to 65,536)."""
+    if not all(map(isinstance, hashes, repeat(bytes))) or any(
+        length != HASH_BYTES for length in set(map(len, hashes))
+    ):
+        for block_hash in hashes:
+            check_hash(block_hash)  # raises, naming the first bad one
 
 
 @dataclass(frozen=True, slots=True)

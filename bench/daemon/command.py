@@ -3,9 +3,19 @@
 Starts a daemon (a ``kvtier serve`` subprocess on private paths, host tier only, so the figures
 are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
 
-* N client processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes that all hit
-  (the longest walk): p50/p99 latency and aggregate lookups per second, beside
-  ``rpc_floor_p50_ms``: the daemon's bare health Check, the least any gRPC call costs here;
+* ``--clients`` processes do the vLLM connector's mix paced as engines pace them, ``--rate``
+  requests per second each for ``--seconds`` (``mix``): per request a Lookup of the ``--hashes``
+  stored blocks, a 4-block load and a 4-block store. ``lookup_p50_us``/``lookup_p99_us`` time
+  its lookups, ``slot_op_p50_us``/``slot_op_p99_us`` its Reserve+Commit and Acquire+Release
+  pairs (copies left out), ``block_ops_per_s`` the blocks its answered calls named per second
+  (``mix.mix_figures`` defines it); ``--lookup-index`` lets the clients probe the daemon's
+  lookup index first (the connector does not yet);
+* ``store_control_us``: one client's ``--batch``-block store, its time beyond the copies
+  (the Reserve and Commit calls), median of ``--rounds``;
+* ``--lookup-clients`` processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes
+  back to back (``lookup_*_ms``): p50/p99 latency and aggregate lookups per second at full
+  tilt, beside ``rpc_floor_p50_ms``: the daemon's bare health Check, the least any gRPC call
+  costs here;
 * one client times store (Reserve → copy into the arena → Commit) and load (Acquire → copy out
   → Release) of batches of blocks, beside ``memcpy_gbps``: the same tensor copy between two
   private buffers measured in the same run. ``store_ratio``/``load_ratio`` divide by it;
@@ -45,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.daemon.mix import MixPlan, mix_figures, store_control_us
 from kvtier.bench.daemon.probes import (
     SIGNATURE,
     SMALL_LOOKUP_HASHES,
@@ -63,6 +74,9 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 
 AIMS = {
+    "lookup_p50_us": 50,
+    "store_control_us": 200,
+    "slot_op_p99_us": 2000,
     "lookup_p50_ms": 0.5,
     "lookup_p99_ms": 2.0,
     "lookups_per_s": 5000,
@@ -76,12 +90,40 @@ AIMS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
-    parser.add_argument("--clients", type=int, default=2, help="lookup client processes")
+    parser.add_argument("--clients", type=int, default=2, help="paced mix client processes")
+    parser.add_argument(
+        "--rate", type=float, default=5.0, help="mix requests per second per client"
+    )
+    parser.add_argument("--seconds", type=float, default=20.0, help="how long the mix runs")
+    parser.add_argument(
+        "--lookup-index", action="store_true", help="mix clients probe the lookup index first"
+    )
+    parser.add_argument(
+        "--lookup-clients", type=int, default=2, help="back-to-back lookup client processes"
+    )
     parser.add_argument("--hashes", type=int, default=1000, help="hashes per lookup")
-    parser.add_argument("--lookups", type=int, default=3000, help="lookups per client")
+    parser.add_argument("--lookups", type=int, default=3000, help="back-to-back lookups per client")
+    parser.add_argument(
+        "--small-lookups", type=int, default=2000, help="small lookups timed beside a heavy client"
+    )
     parser.add_argument("--block-kib", type=int, default=2048, help="block size in KiB")
     parser.add_argument("--batch", type=int, default=32, help="blocks per store/load batch")
     parser.add_argument("--rounds", type=int, default=8, help="timed store/load batches")
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes for a test (overrides the size options)"
+    )
+
+
+QUICK = {
+    "hashes": 300,
+    "lookups": 50,
+    "small_lookups": 50,
+    "block_kib": 64,
+    "batch": 8,
+    "rounds": 2,
+    "seconds": 1.0,
+}
+"""``--quick``'s sizes: every phase runs, a lookup still goes past the event loop's batch."""
 
 
 SLOW_REMOTE_S = 0.2
@@ -127,14 +169,14 @@ def connect(target: str, block_bytes: int, root: Path) -> DaemonClient:
 
 
 def lookup_figures(target: str, block_bytes: int, args: argparse.Namespace) -> dict[str, float]:
-    """Lookups of ``args.hashes`` held blocks from ``args.clients`` processes at once."""
+    """Lookups of ``args.hashes`` held blocks from ``args.lookup_clients`` processes at once."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [
         ctx.Process(
             target=lookup_worker, args=(target, block_bytes, args.hashes, args.lookups, out)
         )
-        for _ in range(args.clients)
+        for _ in range(args.lookup_clients)
     ]
     for p in procs:
         p.start()
@@ -186,11 +228,15 @@ def slow_remote_p99_ms(root: Path, block_bytes: int, lookups: int) -> float | No
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        vars(args).update(QUICK)
     # One thread per copy, like a copy stream: torch's intra-op pool makes small copies far
     # slower on a busy machine (thread wake-ups, not bandwidth).
     torch.set_num_threads(1)
     block_bytes = args.block_kib << 10
-    slots = args.hashes + 2 * args.batch * args.rounds
+    # room for the stored lookup blocks, the copy rates' batches and the mix's newest stores
+    # (older ones are evicted as it stores more)
+    slots = args.hashes + 2 * args.batch * args.rounds + 64 * args.clients
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp"))
     started = time.perf_counter()
     try:
@@ -204,13 +250,22 @@ def run(args: argparse.Namespace) -> int:
                 chunk = hashes[i : i + args.batch]
                 if not client.commit(client.reserve(chunk)):
                     raise RuntimeError("could not store the lookup blocks")
+            control_us = store_control_us(client, args.batch, args.rounds)
+            plan = MixPlan(
+                target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index
+            )
+            mix = mix_figures(plan, args.clients)
             lookups = lookup_figures(target, block_bytes, args)
-            small_p99 = small_lookup_p99_ms(target, block_bytes, contract.MAX_HASHES, 2000)
+            small_p99 = small_lookup_p99_ms(
+                target, block_bytes, contract.MAX_HASHES, args.small_lookups
+            )
             client.close()
         finally:
             daemon.terminate()
             daemon.wait(30)
-        slow_remote_p99 = slow_remote_p99_ms(root / "slow-remote", block_bytes, 1000)
+        slow_remote_p99 = slow_remote_p99_ms(
+            root / "slow-remote", block_bytes, min(1000, args.small_lookups)
+        )
         burst = 2 * args.batch * args.rounds
         daemon, target = start_daemon(root / "disk", burst * block_bytes, 4 * burst * block_bytes)
         try:
@@ -230,6 +285,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     figures = {
+        "clients": args.clients,
+        "rate_per_client": args.rate,
+        **mix,
+        "store_control_us": control_us,
         **lookups,
         "rpc_floor_p50_ms": floor_ms,
         "lookup_vs_floor": lookups["lookup_p50_ms"] / floor_ms,
@@ -249,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
         "disk_raw_write_gbps": raw_write,
         "disk_drain_ratio": behind["disk_drain_gbps"] / raw_write,
         "disk_raw_how": how,
-        "clients": args.clients,
+        "lookup_clients": args.lookup_clients,
         "hashes_per_lookup": args.hashes,
         "block_bytes": block_bytes,
         "batch_blocks": args.batch,
@@ -265,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for key, value in figures.items():
         aim = AIMS.get(key)
-        note = f"   (aim {'<=' if key.endswith('_ms') else '>='} {aim})" if aim else ""
+        note = f"   (aim {'<=' if key.endswith(('_ms', '_us')) else '>='} {aim})" if aim else ""
         if isinstance(value, float):
             print(f"{key:>32}  {value:12.3f}{note}")
         else:

@@ -27,7 +27,7 @@ def hashes_for(count: int) -> list[bytes]:
 
 
 def lookup_worker(target: str, block_bytes: int, count: int, lookups: int, out) -> None:
-    client = DaemonClient(SIGNATURE, block_bytes, block_tokens=16, target=target)
+    client = DaemonClient(SIGNATURE, block_bytes, block_tokens=16, target=target, timeout_s=30)
     try:
         if not client.wait_connected(60):
             raise RuntimeError("no daemon session")

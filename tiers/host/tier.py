@@ -26,7 +26,7 @@ import torch
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.gpu.pinned import allocate_host
-from kvtier.tiers.hashing import BlockHash, check_hash
+from kvtier.tiers.hashing import BlockHash, check_hashes
 from kvtier.tiers.host.admission import AdmissionPolicy, AdmitAll
 from kvtier.tiers.host.behind import Below, WriteBehind
 from kvtier.tiers.host.promote import Promoter, SlotOps
@@ -159,8 +159,7 @@ class HostTier:
         """``lookup`` (``hold`` False) or ``lookup_holding`` (True) when this tier's memory
         alone answers it: every hash is here, or no tier lies below. Otherwise None, having
         changed nothing: a tier below must be asked, which may read the disk or the network."""
-        for h in hashes:
-            check_hash(h)
+        check_hashes(hashes)
         below = self.lower is not None or self.remote is not None
         resident: list[tuple[BlockHash, int]] = []
         with self._lock:
@@ -177,16 +176,17 @@ class HostTier:
     def _lookup(
         self, hashes: Sequence[BlockHash], hold: bool
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
-        for h in hashes:
-            check_hash(h)
+        check_hashes(hashes)
         hits = LowerHits()
         pos, n = 0, len(hashes)
         resident: list[tuple[BlockHash, int]] = []
         with self._lock:
             table = self._slots
+            index, state = table.index, table.state
             while pos < n:
-                slot = table.ready_slot(hashes[pos])
-                if slot is not None:
+                # ``table.ready_slot`` inlined: this loop runs once per hash of every lookup
+                slot = index.get(hashes[pos])
+                if slot is not None and state[slot] == READY:
                     resident.append((hashes[pos], slot))
                     pos += 1
                     continue
@@ -209,11 +209,11 @@ class HostTier:
 
     def _mark_read(self, resident: list[tuple[BlockHash, int]], hold: bool) -> None:
         """Pins (``hold``) or touches a lookup's host hits, head last; call under the lock."""
-        for _, slot in reversed(resident):
-            if hold:
-                self._slots.pin(slot)
-            else:
-                self._slots.touch(slot)
+        slots = [slot for _, slot in reversed(resident)]
+        if hold:
+            self._slots.pin_all(slots)
+        else:
+            self._slots.touch_all(slots)
 
     @property
     def writing_behind(self) -> int:
@@ -248,8 +248,7 @@ class HostTier:
         slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
         metadata, kept with the block in every tier.
         """
-        for h in hashes:
-            check_hash(h)
+        check_hashes(hashes)
         if metas and len(metas) != len(hashes):
             raise ValueError(f"{len(metas)} metas for {len(hashes)} hashes")
         for meta in metas:
@@ -329,8 +328,7 @@ class HostTier:
         can supply (gone since the lookup, no free slot, a checksum miss), so it is a prefix
         of ``hashes``; every returned slot must be given back with ``release``.
         """
-        for h in hashes:
-            check_hash(h)
+        check_hashes(hashes)
         sources = LowerHits()
         found: list[int | None] = []
         late: list[tuple[int, BlockHash, bytes, list[Below]]] = []  # now worth a disk write behind
@@ -374,8 +372,7 @@ class HostTier:
                 self._check_state(slot, READY, "release")
                 if self._slots.refs[slot] <= 0:
                     raise ValueError(f"slot {slot} released more often than acquired")
-            for slot in reversed(slots):
-                self._slots.unpin(slot)
+            self._slots.unpin_all(reversed(slots))
             self._changed.notify_all()
 
     def spill_all(self) -> int:

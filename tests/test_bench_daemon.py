@@ -1,0 +1,31 @@
+"""``kvtier bench daemon`` end to end at ``--quick`` sizes: its paced clients and its keys."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from kvtier.service.cli import main
+
+MIX_KEYS = (
+    "lookup_p50_us",
+    "lookup_p99_us",
+    "slot_op_p50_us",
+    "slot_op_p99_us",
+    "store_control_us",
+    "block_ops_per_s",
+    "mix_requests_per_s",
+)
+
+
+def test_bench_daemon_paced_clients_report_the_control_plane_keys(capsys):
+    assert main(["bench", "daemon", "--quick", "--clients", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["clients"] == 2
+    for key in MIX_KEYS:
+        assert math.isfinite(result[key]) and result[key] > 0, (key, result[key])
+    assert result["lookup_p99_us"] >= result["lookup_p50_us"]
+    assert result["slot_op_p99_us"] >= result["slot_op_p50_us"]
+    assert 0 <= result["mix_late_fraction"] <= 1
+    # the keys measured before the paced clients are still there
+    assert result["lookup_p50_ms"] > 0 and result["store_ratio"] > 0
