@@ -6,7 +6,8 @@ by the thread that made it); ``commit`` applies each batch.
 A batch waits for more stores at most ``flush_interval_s`` after its oldest store was queued,
 and not at all once it is full or a ``flush``/``close`` is queued behind it: one fdatasync and
 one LMDB commit then serve many stores, and no store waits longer than that for its commit
-while the device keeps up.
+while the device keeps up. Only the commit waits: before the writer waits for more, it writes
+the payloads it has (``BatchCommitter.stage``), so the device works while callers still store.
 
 Each store learns its own outcome and no other's: its callers' ``on_done(True)`` once its entry
 is committed (or was there already), ``on_done(False)`` if its batch failed (an I/O error, a
@@ -127,6 +128,7 @@ class DiskWriter:
         puts = batch[0][0] == PUT
         deadline = batch[0][2] + self._interval if puts else None
         barrier = batch[0][0] >= FLUSH
+        staged = 0
         while puts < self._batch_blocks:
             try:
                 item = self._queue.get_nowait()
@@ -134,6 +136,8 @@ class DiskWriter:
                 wait = None if deadline is None or barrier else deadline - time.monotonic()
                 if wait is None or wait <= 0:
                     break
+                self._stage(batch[staged:])
+                staged = len(batch)
                 try:
                     item = self._queue.get(timeout=wait)
                 except queue.Empty:
@@ -145,6 +149,14 @@ class DiskWriter:
                     deadline = item[2] + self._interval
             barrier = barrier or item[0] >= FLUSH
         return batch
+
+    def _stage(self, items: list[tuple[int, Any, float]]) -> None:
+        """Writes the payloads of the stores among ``items`` now; the commit comes later."""
+        puts = [arg for op, arg, _ in items if op == PUT]
+        if puts:
+            with self._drained:
+                stores = {h: self._pending[h] for h in puts if h in self._pending}
+            self._committer.stage(stores)
 
     def _process(self, batch: list[tuple[int, Any, float]]) -> None:
         """Commits one batch, tells ``on_event`` and each store's callers, then releases the
