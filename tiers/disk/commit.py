@@ -12,6 +12,7 @@ caller's buffer when the data file can take it as it is (whole pages, page-align
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,19 +93,25 @@ class BatchCommitter:
         self._sync = sync
         self._staged: dict[bytes, Staged] = {}
         self._error: OSError | None = None  # the staged batch's first write failure
+        # One thread writes payloads, in the order staged, so the device works while the
+        # writer thread checksums and gathers; the writer waits for them before it syncs.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-io")
+        self._in_flight: list[tuple[Future[None], list[Any]]] = []
 
     def stage(self, stores: dict[bytes, Pending]) -> None:
-        """Writes the payloads of ``stores`` (pending blocks of PUTs just taken from the queue)
-        into free slots now; their entries wait for the batch's ``commit``.
+        """Starts writing the payloads of ``stores`` (pending blocks of PUTs just taken from
+        the queue) into free slots; their entries wait for the batch's ``commit``.
 
         Each store takes a slot of the spares no committed entry names, so a reader never
-        meets these bytes before the commit. An I/O error fails the whole batch at its commit;
-        nothing more of that batch is written.
+        meets these bytes before the commit. The writes run on the I/O thread, in order,
+        while this thread checksums the same blocks and goes back to the queue. An I/O error
+        fails the whole batch at its commit; nothing more of that batch is written.
         """
         if self._error is not None:
             return
         writes: list[tuple[int, memoryview]] = []
-        bounces = []
+        bounces: list[Any] = []
+        staged: list[tuple[bytes, Pending]] = []
         try:
             for block_hash, pending in stores.items():
                 if block_hash in self._staged:
@@ -112,17 +119,35 @@ class BatchCommitter:
                 view, bounce = self._payload(pending)
                 if bounce is not None:
                     bounces.append(bounce)
-                checksum = xxhash.xxh3_64_intdigest(pending.data)
                 slot = self._table.take()
-                self._staged[block_hash] = (slot, checksum, pending.meta)
+                self._staged[block_hash] = (slot, 0, pending.meta)
+                staged.append((block_hash, pending))
                 writes.append((slot, view))
-            self._slots.write(writes)
         except OSError as exc:
             self._error = exc
-        finally:
-            del writes  # no view of a caller's buffer outlives its write
-            for buf in bounces:
-                self._pool.release(buf)
+        if writes or bounces:
+            self._in_flight.append((self._io.submit(self._slots.write, writes), bounces))
+        del writes  # the I/O thread holds the views until its write is done
+        for block_hash, pending in staged:
+            slot, _, meta = self._staged[block_hash]
+            self._staged[block_hash] = (slot, xxhash.xxh3_64_intdigest(pending.data), meta)
+
+    def close(self) -> None:
+        """Waits for the writes in flight and stops the I/O thread (the writer's last act)."""
+        self._wait_writes()
+        self._io.shutdown()
+
+    def _wait_writes(self) -> None:
+        """Waits for every payload write started; the first failure fails the batch."""
+        for write, bounces in self._in_flight:
+            try:
+                write.result()
+            except OSError as exc:
+                self._error = self._error or exc
+            finally:
+                for buf in bounces:
+                    self._pool.release(buf)
+        self._in_flight.clear()
 
     def commit(
         self, ops: list[tuple[int, Any]], stores: dict[bytes, Pending]
@@ -138,6 +163,7 @@ class BatchCommitter:
         given up (its stores fail, logged), never raised. I/O errors are raised.
         """
         self.stage(stores)
+        self._wait_writes()
         staged, error = self._staged, self._error
         self._staged, self._error = {}, None
         taken: list[int] = []

@@ -106,6 +106,7 @@ class DiskWriter:
                 self._process(batch)
                 batch = []
         finally:
+            self._committer.close()
             with self._drained:
                 self.alive = False
             # Nothing can be queued any more: fail what the thread may have died holding, and
