@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import xxhash
 
+from kvtier.tiers.disk import writer
 from kvtier.tiers.disk.slots import slot_stride
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
+from kvtier.tiers.tunables import TUNABLES
 
 BLOCK = 16 * 1024 + 8  # not whole pages: each put copies into a pooled slot-sized buffer
 SIG = xxhash.xxh3_128_digest(b"layout-a")
@@ -40,12 +43,13 @@ def wait_until(condition, what: str, bound_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_lingering_batch_writes_its_payloads_before_it_commits(tmp_path):
+def test_a_lingering_batch_writes_its_payloads_before_it_commits(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "TUNABLES", replace(TUNABLES, disk_stage_bytes=2 * BLOCK))
     with DiskTier(tmp_path, SIG, BLOCK, 64 * BLOCK, sync=False, flush_interval_s=3600) as t:
         for i in range(3):
             t.put(key(i), block(i))
-        wanted = {block(i).tobytes() for i in range(3)}
-        wait_until(lambda: wanted <= slot_contents(tmp_path, 3), "the payloads in their slots")
+        wanted = {block(i).tobytes() for i in range(2)}  # one run; the third waits for more
+        wait_until(lambda: wanted <= slot_contents(tmp_path, 2), "the payloads in their slots")
         assert t.counters.blocks_stored == 0  # the batch still lingers: nothing committed
         with t._s.index.read() as txn:
             assert not any(t._s.index.has(txn, key(i)) for i in range(3))
