@@ -21,6 +21,11 @@ class TierTunables:
     """Most new bytes one disk batch writes (and at most an eighth of the budget): enough to
     amortise its fdatasync and LMDB commit; it is also the disk tier's number of spare slots."""
 
+    disk_stage_bytes: int = 16 << 20
+    """Payload bytes the disk writer sends to the device in one write while a batch still
+    gathers: the device starts long before the batch closes, and each write is still big
+    enough to keep the device's queue deep when the writer thread waits for a busy CPU."""
+
     disk_pool_batches: int = 2
     """Batches of returned put buffers the disk tier keeps warm, so a burst allocates none."""
 

@@ -1,16 +1,18 @@
 """One batch of the disk tier's writes, applied in one LMDB transaction by the writer thread.
 
-The batch's payloads go into free slots and are made durable (``fdatasync``) inside the
-transaction, before it commits, so an entry never names bytes that are not on the device.
-Evictions ride in the same commit, and the slots they free are reused only by a later batch.
-A borrowed payload (``write_behind``) is written straight from the caller's buffer when the data
-file can take it as it is (whole pages, page-aligned under ``O_DIRECT``), else through a pooled
-bounce buffer filled here, on the writer thread.
+A batch's payloads go into free slots as its stores arrive (``stage``), while the batch still
+gathers, so that the device writes while the callers produce rather than after; they are made
+durable (``fdatasync``) inside the transaction, before it commits, so an entry never names bytes
+that are not on the device. Evictions ride in the same commit, and the slots they free are
+reused only by a later batch. A borrowed payload (``write_behind``) is written straight from the
+caller's buffer when the data file can take it as it is (whole pages, page-aligned under
+``O_DIRECT``), else through a pooled bounce buffer filled here, on the writer thread.
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,9 @@ PUT, TOUCH, DROP, FLUSH, STOP = range(5)
 Event = tuple[str, bytes, bytes]
 """(kind, block hash, meta): "stored" or "removed" for subscribers; inside a commit also
 "evicted" and "dropped"."""
+
+Staged = tuple[int, int, bytes]
+"""(slot, checksum, meta) of a store whose payload is written and whose entry waits."""
 
 
 class Pending:
@@ -104,12 +109,70 @@ class BatchCommitter:
         self._block_bytes = state.block_bytes
         self._capacity_blocks = capacity_blocks
         self._sync = sync
+        self._staged: dict[bytes, Staged] = {}
+        self._error: OSError | None = None  # the staged batch's first write failure
+        # One thread writes payloads, in the order staged, so the device works while the
+        # writer thread checksums and gathers; the writer waits for them before it syncs.
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-io")
+        self._in_flight: list[tuple[Future[None], list[Any]]] = []
+
+    def stage(self, stores: dict[bytes, Pending]) -> None:
+        """Starts writing the payloads of ``stores`` (pending blocks of PUTs just taken from
+        the queue) into free slots; their entries wait for the batch's ``commit``.
+
+        Each store takes a slot of the spares no committed entry names, so a reader never
+        meets these bytes before the commit. The writes run on the I/O thread, in order,
+        while this thread checksums the same blocks and goes back to the queue. An I/O error
+        fails the whole batch at its commit; nothing more of that batch is written.
+        """
+        if self._error is not None:
+            return
+        writes: list[tuple[int, memoryview]] = []
+        bounces: list[Any] = []
+        staged: list[tuple[bytes, Pending]] = []
+        try:
+            for block_hash, pending in stores.items():
+                if block_hash in self._staged:
+                    continue
+                view, bounce = self._payload(pending)
+                if bounce is not None:
+                    bounces.append(bounce)
+                slot = self._table.take()
+                self._staged[block_hash] = (slot, 0, pending.meta)
+                staged.append((block_hash, pending))
+                writes.append((slot, view))
+        except OSError as exc:
+            self._error = exc
+        if writes or bounces:
+            self._in_flight.append((self._io.submit(self._slots.write, writes), bounces))
+        del writes  # the I/O thread holds the views until its write is done
+        for block_hash, pending in staged:
+            slot, _, meta = self._staged[block_hash]
+            self._staged[block_hash] = (slot, xxhash.xxh3_64_intdigest(pending.data), meta)
+
+    def close(self) -> None:
+        """Waits for the writes in flight and stops the I/O thread (the writer's last act)."""
+        self._wait_writes()
+        self._io.shutdown()
+
+    def _wait_writes(self) -> None:
+        """Waits for every payload write started; the first failure fails the batch."""
+        for write, bounces in self._in_flight:
+            try:
+                write.result()
+            except OSError as exc:
+                self._error = self._error or exc
+            finally:
+                for buf in bounces:
+                    self._pool.release(buf)
+        self._in_flight.clear()
 
     def commit(
         self, ops: list[tuple[int, Any]], stores: dict[bytes, Pending]
     ) -> tuple[list[Event], bool]:
         """Writes ``ops`` in one transaction; returns the events to report and whether the
-        batch's stores (``stores``: the pending blocks of its PUTs) were committed.
+        batch's stores (``stores``: the pending blocks of its PUTs, staged or not yet) were
+        committed.
 
         A full map (a reader pinning an old snapshot keeps freed pages from reuse) is answered
         by evicting the oldest blocks in a commit of their own and trying again. LMDB reuses
@@ -117,32 +180,34 @@ class BatchCommitter:
         left to evict one marker commit goes first. If even that finds no room, the batch is
         given up (its stores fail, logged), never raised. I/O errors are raised.
         """
-        prepared, bounces = self._prepare(stores)
+        self.stage(stores)
+        self._wait_writes()
+        staged, error = self._staged, self._error
+        self._staged, self._error = {}, None
+        taken: list[int] = []
         try:
-            return self._commit_prepared(ops, prepared)
-        finally:
-            for buf in bounces:
-                self._pool.release(buf)
+            if error is not None:
+                raise error
+            events, ok = self._commit_staged(ops, staged, taken)
+        except BaseException:
+            self._table.free(slot for slot, _, _ in staged.values())
+            raise
+        # Slots staged for stores the commit skipped (held already) or gave up are free again.
+        kept = set(taken) if ok else set()
+        self._table.free(slot for slot, _, _ in staged.values() if slot not in kept)
+        return events, ok
 
-    def _prepare(
-        self, stores: dict[bytes, Pending]
-    ) -> tuple[dict[bytes, tuple[memoryview, int, bytes]], list[Any]]:
-        """For each store: the page-aligned bytes to write, the checksum and the meta."""
-        prepared: dict[bytes, tuple[memoryview, int, bytes]] = {}
-        bounces = []
-        for block_hash, pending in stores.items():
-            if pending.buf is not None:
-                view = memoryview(pending.buf)
-            elif self._writable_as_is(pending.data):
-                view = pending.data
-            else:
-                bounce = self._pool.acquire()
-                bounces.append(bounce)
-                view = memoryview(bounce)
-                view[: self._block_bytes] = pending.data
-            checksum = xxhash.xxh3_64_intdigest(pending.data)
-            prepared[block_hash] = (view, checksum, pending.meta)
-        return prepared, bounces
+    def _payload(self, pending: Pending) -> tuple[memoryview, Any]:
+        """The page-aligned bytes to write for a store, and the bounce buffer they are in
+        (None when no copy was needed)."""
+        if pending.buf is not None:
+            return memoryview(pending.buf), None
+        if self._writable_as_is(pending.data):
+            return pending.data, None
+        bounce = self._pool.acquire()
+        view = memoryview(bounce)
+        view[: self._block_bytes] = pending.data
+        return view, bounce
 
     def _writable_as_is(self, data: memoryview) -> bool:
         """Whether the data file can take ``data`` with no copy: whole pages, and page-aligned
@@ -151,27 +216,20 @@ class BatchCommitter:
             return False
         return not self._slots.direct or np.frombuffer(data, np.uint8).ctypes.data % PAGE == 0
 
-    def _commit_prepared(
-        self, ops: list[tuple[int, Any]], prepared: dict[bytes, tuple[memoryview, int, bytes]]
+    def _commit_staged(
+        self, ops: list[tuple[int, Any]], staged: dict[bytes, Staged], taken: list[int]
     ) -> tuple[list[Event], bool]:
         events: list[Event] = []
         marked = False
         while True:
-            taken: list[int] = []
+            taken.clear()
             try:
                 with self._index.write() as txn:
-                    changes, writes, freed = self._apply(txn, ops, prepared, taken)
-                    if writes:
-                        self._slots.write(writes)
-                        if self._sync:
-                            self._slots.sync()
-                    del writes  # no view of a caller's buffer outlives the batch
+                    changes, freed = self._apply(txn, ops, staged, taken)
+                    if taken and self._sync:
+                        self._slots.sync()
             except lmdb.MapFullError:
-                self._table.free(taken)
                 puts = sum(op == PUT for op, _ in ops)
-            except BaseException:
-                self._table.free(taken)
-                raise
             else:
                 # Only now, with their deletions committed, may a later batch reuse these.
                 self._table.free(freed)
@@ -198,32 +256,30 @@ class BatchCommitter:
         self,
         txn: lmdb.Transaction,
         ops: list[tuple[int, Any]],
-        prepared: dict[bytes, tuple[memoryview, int, bytes]],
+        staged: dict[bytes, Staged],
         taken: list[int],
-    ) -> tuple[list[Event], list[tuple[int, memoryview]], list[int]]:
-        """Applies stores, access bumps and drops to the index, in order.
+    ) -> tuple[list[Event], list[int]]:
+        """Applies stores (their payloads already staged), access bumps and drops to the
+        index, in order.
 
-        Returns what changed (in order), the payload writes to make before the commit and the
-        slots the commit frees; the slots given to stores go into ``taken`` as they are taken.
+        Returns what changed (in order) and the slots the commit frees; the staged slots that
+        entries now name go into ``taken``.
         """
         changes: list[Event] = []
-        writes: list[tuple[int, memoryview]] = []
         freed: list[int] = []
         used = self._counters.used_blocks  # only this thread changes it
         for op, arg in ops:
             block_hash = arg[0] if op == DROP else arg
             entry = self._index.get(txn, block_hash)
             if op == PUT:
-                if entry is not None or block_hash not in prepared:
+                if entry is not None or block_hash not in staged:
                     continue
                 for victim, old in self._index.evict(txn, used + 1 - self._capacity_blocks):
                     changes.append(("evicted", victim, old.meta))
                     freed.append(old.slot)
                     used -= 1
-                slot = self._table.take()
+                slot, checksum, meta = staged[block_hash]
                 taken.append(slot)
-                view, checksum, meta = prepared[block_hash]
-                writes.append((slot, view))
                 new = Entry(
                     FORMAT_VERSION, 0, slot, self._signature, self._block_bytes, checksum, meta
                 )
@@ -240,7 +296,7 @@ class BatchCommitter:
                     freed.append(entry.slot)
                 changes.append(("dropped", block_hash, entry.meta))
                 used -= 1
-        return changes, writes, freed
+        return changes, freed
 
     def _publish(self, changes: list[Event]) -> list[Event]:
         """After a commit: counts the changes and returns them as public events."""

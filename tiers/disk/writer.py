@@ -6,7 +6,9 @@ by the thread that made it); ``commit`` applies each batch.
 A batch waits for more stores at most ``flush_interval_s`` after its oldest store was queued,
 and not at all once it is full or a ``flush``/``close`` is queued behind it: one fdatasync and
 one LMDB commit then serve many stores, and no store waits longer than that for its commit
-while the device keeps up.
+while the device keeps up. Only the commit waits: the payloads go to the device while the
+batch gathers, in runs of ``disk_stage_bytes`` (``BatchCommitter.stage``), so the device
+works while callers still store.
 
 Each store learns its own outcome and no other's: its callers' ``on_done(True)`` once its entry
 is committed (or was there already), ``on_done(False)`` if its batch failed (an I/O error, a
@@ -69,6 +71,7 @@ class DiskWriter:
         self._failures = state.failures
         self._counters = state.counters
         self._batch_blocks = batch_blocks
+        self._stage_blocks = max(1, TUNABLES.disk_stage_bytes // state.block_bytes)
         self._interval = flush_interval_s
         self._on_event = on_event
         self._queue: queue.SimpleQueue[tuple[int, Any, float]] = queue.SimpleQueue()
@@ -105,6 +108,7 @@ class DiskWriter:
                 self._process(batch)
                 batch = []
         finally:
+            self._committer.close()
             with self._drained:
                 self.alive = False
             # Nothing can be queued any more: fail what the thread may have died holding, and
@@ -127,7 +131,11 @@ class DiskWriter:
         puts = batch[0][0] == PUT
         deadline = batch[0][2] + self._interval if puts else None
         barrier = batch[0][0] >= FLUSH
+        staged, unstaged = 0, int(puts)
         while puts < self._batch_blocks:
+            if unstaged >= self._stage_blocks:
+                self._stage(batch[staged:])
+                staged, unstaged = len(batch), 0
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
@@ -141,10 +149,19 @@ class DiskWriter:
             batch.append(item)
             if item[0] == PUT:
                 puts += 1
+                unstaged += 1
                 if deadline is None:
                     deadline = item[2] + self._interval
             barrier = barrier or item[0] >= FLUSH
         return batch
+
+    def _stage(self, items: list[tuple[int, Any, float]]) -> None:
+        """Writes the payloads of the stores among ``items`` now; the commit comes later."""
+        puts = [arg for op, arg, _ in items if op == PUT]
+        if puts:
+            with self._drained:
+                stores = {h: self._pending[h] for h in puts if h in self._pending}
+            self._committer.stage(stores)
 
     def _process(self, batch: list[tuple[int, Any, float]]) -> None:
         """Commits one batch, tells ``on_event`` and each store's callers, then releases the
