@@ -8,12 +8,13 @@ times each one's first token:
 * ``recompute``: a prompt of the same length that no tier holds;
 * ``fast_disk_gate_on``: a disk hit on the plain disk, the gate on: the hit should be taken;
 * ``crawling_disk_gate_off``: a disk hit with every disk read delayed ``--crawl-ms`` (the
-  daemon's ``--disk-read-delay-ms``), the gate off: the slow load is waited for;
+  daemon's ``--disk-read-delay-ms``), the gate off: the slow load is waited for, up to the
+  connector's acquire deadline, after which the prompt is recomputed;
 * ``crawling_disk_gate_on``: the same crawl, the gate on: the hit should be declined and the
   prompt recomputed, at about the recompute time.
 
-Before each measured disk hit a probe prompt's disk hit lets the daemon measure its disk and
-the connector read that rate (until the gate knows a rate it takes every hit). Two engine
+Before each disk's measured hits a short probe prompt's disk hit lets the daemon measure that
+disk and the connector read its rate (until the gate knows a rate it takes every hit). Two engine
 processes run one after the other (gate on, then gate off), each on the same daemon data
 directory. Needs vLLM (its CPU build) importable; the model is a seeded random Llama written
 here.
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         return NOT_AVAILABLE_EXIT
     if args.prompt_tokens < 4 * BLOCK_TOKENS:
         raise SystemExit(f"kvtier bench gate: --prompt-tokens must be >= {4 * BLOCK_TOKENS}")
+    if args.hidden < 128 or args.hidden % 64:
+        raise SystemExit("kvtier bench gate: --hidden must be a multiple of 64, at least 128")
     started = time.perf_counter()
     rng = random.Random(args.seed)
     prompts = {

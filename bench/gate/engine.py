@@ -3,8 +3,8 @@
 vLLM runs in this process (its EngineCore in-process), with KVTierConnector on the bench's
 daemon. Each measured prompt is one request of one output token, alone in the engine, so its
 time from ``generate`` to its return is its time to first token. vLLM's own prefix cache is
-reset before every measured prompt that should hit kvtier, so the hit comes from kvtier's disk
-tier or nowhere.
+reset whenever the daemon restarts, and no prompt is served twice after that, so a measured
+prompt's hit comes from kvtier's disk tier or nowhere.
 """
 
 from __future__ import annotations
