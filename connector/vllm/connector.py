@@ -126,8 +126,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        """Closes this side once; vLLM may call it again (an in-process engine's shutdown, then
-        its exit hooks), and a later call does nothing."""
+        """Closes this side once; a later call does nothing (its executors are gone)."""
         if self._shut_down:
             return
         self._shut_down = True
