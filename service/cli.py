@@ -23,6 +23,7 @@ BENCHMARKS = {
     "gpu": ("kvtier.bench.gpu.command", "PCIe ceiling, copy ratios and TTFT on a CUDA machine"),
     "remote": ("kvtier.bench.remote", "remote tier put/get beside raw pipelined SET/GET"),
     "serve": ("kvtier.bench.serve.command", "a timed trace served with and without kvtier"),
+    "gate": ("kvtier.bench.gate.command", "TTFT of a disk hit, slow disk or fast, gate on or off"),
 }
 
 

@@ -178,6 +178,11 @@ def test_command_serves_three_arms_with_the_same_tokens(tmp_path, capsys):
     for name in ("kvtier-host", "kvtier-host-disk"):
         assert arms[name]["prefill_tokens_computed"] < base
     assert arms["engine-only"]["hit_tokens"]["host"] == 0
+    # The disk tier holds every block, and the requests come one after another: that arm
+    # takes all an unbounded cache could, and no arm takes more.
+    hits = {name: sum(arm["hit_tokens"].values()) for name, arm in arms.items()}
+    assert hits["kvtier-host-disk"] == out["reusable_prompt_tokens"] > 0
+    assert max(hits.values()) == out["reusable_prompt_tokens"]
     assert {"ttft_p50_ratio", "throughput_ratio", "best_arm"} <= set(out)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     left = sorted(p.name for p in tmp_path.iterdir())

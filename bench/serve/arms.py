@@ -83,6 +83,27 @@ def distinct_blocks(setup: ServeSetup, requests: Sequence[ServeRequest]) -> int:
     return len(seen)
 
 
+def reusable_tokens(
+    setup: ServeSetup, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]
+) -> int:
+    """Prompt tokens an unbounded cache could supply: each request's longest prefix of blocks
+    that an earlier arrival's prompt holds, cut to whole chunks and short of the last token,
+    as the engine takes a prefix. The most any arm can hit."""
+    layout = setup.config.kv_layout(setup.block_size)
+    namespace = Namespace(setup.config.model_id, layout.signature)
+    bs, chunk = setup.block_size, setup.chunk_blocks
+    seen: set[bytes] = set()
+    total = 0
+    for i in sorted(range(len(requests)), key=lambda i: arrivals_s[i]):
+        prompt = requests[i].prompt
+        hashes = hash_prompt(namespace, prompt, bs)
+        usable = min(len(hashes), (len(prompt) - 1) // bs)
+        hit = next((k for k in range(usable) if hashes[k] not in seen), usable)
+        total += hit // chunk * chunk * bs
+        seen.update(hashes)
+    return total
+
+
 def size_tiers(
     setup: ServeSetup,
     requests: Sequence[ServeRequest],

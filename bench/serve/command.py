@@ -26,6 +26,7 @@ from kvtier.bench.serve.arms import (
     ServeSetup,
     Sizes,
     engine_capacity,
+    reusable_tokens,
     run_arms,
     size_tiers,
 )
@@ -70,7 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--workload", choices=sorted(WORKLOADS), help="seeded synthetic trace")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample and --workload")
     parser.add_argument(
-        "--requests", type=int, default=160, help="whole conversations sampled up to N requests"
+        "--requests",
+        type=int,
+        default=320,
+        help="whole conversations sampled up to N requests (default 320)",
     )
     parser.add_argument(
         "--engine",
@@ -228,6 +232,7 @@ def _run(args: argparse.Namespace) -> int:
         "time_scale": scale,
         "load": args.load,
         "engine_capacity_prompt_tokens_per_s": capacity,
+        "reusable_prompt_tokens": reusable_tokens(setup, requests, arrivals),
     }
     summary |= compare(results)
     if args.plot:

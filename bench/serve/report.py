@@ -96,7 +96,8 @@ def print_text(summary: dict[str, object]) -> None:
     sizes = s["sizes"]
     lines = [
         f"serving {s['source']}: {s['requests']} requests ({s['prompt_tokens']} prompt, "
-        f"{s['output_tokens']} output tokens; a trace block is {s['block_tokens']} tokens)",
+        f"{s['output_tokens']} output tokens; a trace block is {s['block_tokens']} tokens); "
+        f"an unbounded cache could supply {s['reusable_prompt_tokens']} prompt tokens",
         f"engine: {s['model']} ({s['model_params'] / 1e6:.1f}M parameters) on {s['device']}, "
         f"{s['max_running']} requests in flight at most, {s['step_tokens']}-token steps, "
         f"{s['chunk_tokens']}-token prefill chunks",

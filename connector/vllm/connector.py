@@ -72,6 +72,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._shut_down = False
         # vLLM gives every engine an id its scheduler and workers share: the worker's acquire
         # takes over the host hits the scheduler's lookup held
         group = self._kv_transfer_config.engine_id or ""
@@ -125,6 +126,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        """Closes this side once; a later call does nothing (its executors are gone)."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

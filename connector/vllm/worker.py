@@ -24,17 +24,17 @@ vLLM holds for us are reported in ``finished_sending`` once no store reads them 
 sliding-window group's blocks are freed by vLLM while their request runs; when a step hands
 out a block a store still reads, that store starts first and the step is ordered after it.
 
-The copies never make the engine's thread wait for the GPU (``CopyEngine``); the daemon
-client page-locks each arena under this worker's device on its own thread as it maps it, so a
-daemon restart never locks tens of GiB mid-step. A copy not started before its slots' session
-was lost is dropped (a store's slots aborted, a load's blocks recomputed): the daemon fences
-those slots until the client's next session proves nothing of its can land in them. Reserves,
-async loads' acquires and commits run on helper threads (releases are sent without waiting);
-every daemon call has the client's deadline and never raises for daemon trouble.
-"""
+The copies never make the engine's thread wait for the GPU (``CopyEngine``); the client
+page-locks each arena under this worker's device on its own thread as it maps it, so a daemon
+restart never locks tens of GiB mid-step. A copy not started before its slots' session was
+lost is dropped (a store's slots aborted, a load's blocks recomputed): the daemon fences those
+slots until the client's next session proves nothing of its can land in them. Reserves, async
+loads' acquires and commits run on helper threads (releases are sent without waiting); every
+daemon call has the client's deadline and never raises for daemon trouble."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -144,7 +144,9 @@ class WorkerSide:
             self._start_all_stores()
             for engine in self.engines.values():
                 engine.synchronize()
-        self._finisher.submit(lambda: None).result()
+        # At interpreter exit the pool has stopped already, after running every commit it held.
+        with contextlib.suppress(RuntimeError):
+            self._finisher.submit(lambda: None).result()
         for client in self.clients.values():
             client.settle()
 
@@ -180,9 +182,8 @@ class WorkerSide:
     # ---- the step ----
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        """Starts the previous steps' stores (those of preempted requests without fail), and
-        orders this step's work after stores still reading blocks vLLM just freed or just
-        handed out again."""
+        """Starts the previous steps' stores (preempted requests' without fail), and orders
+        this step's work after stores still reading blocks vLLM just freed or handed out."""
         reused = self._readers.reads_any(meta.new_blocks)
         if reused:
             self._start_all_stores()
@@ -279,9 +280,8 @@ class WorkerSide:
             in_flight.advance(load, self._advance)
 
     def _advance(self, load: StreamedLoad, asking: int) -> None:
-        """``asking``: the slots the session's acquires on their way will take. Counted
-        before the room is read, so that an acquire answered in between is counted twice
-        (asks less) rather than not at all."""
+        """``asking``: the slots the session's acquires on their way will take. Counted before
+        the room is read: an acquire answered in between counts twice (asks less), not never."""
         group = self.groups[load.spec.group]
         client = self._client(group)
         load.advance(
