@@ -185,8 +185,14 @@ def _request(
     client.release(slots)
     load_s = acquired + time.perf_counter() - t0
 
+    return lookup_s, [load_s, timed_store(client, rows)]
+
+
+def timed_store(client: DaemonClient, rows: torch.Tensor) -> float:
+    """Stores ``rows`` as new blocks (Reserve, a copy per block, Commit); returns the seconds
+    of its Reserve and Commit calls, the copies between them not counted."""
     t0 = time.perf_counter()
-    slots = client.reserve([uuid.uuid4().bytes for _ in range(SLOT_BLOCKS)])
+    slots = client.reserve([uuid.uuid4().bytes for _ in range(rows.shape[0])])
     reserved = time.perf_counter() - t0
     if min(slots) < 0:
         raise RuntimeError(f"reserve refused: {slots}")
@@ -195,27 +201,15 @@ def _request(
     t0 = time.perf_counter()
     if not client.commit(slots):
         raise RuntimeError("commit failed")
-    store_s = reserved + time.perf_counter() - t0
-    return lookup_s, [load_s, store_s]
+    return reserved + time.perf_counter() - t0
 
 
 def store_control_us(client: DaemonClient, batch: int, stores: int) -> float:
     """Median client time of a ``batch``-block store beyond its copies: its Reserve and
     Commit calls, in microseconds (the copies run between them and are not counted)."""
     rows = torch.randint(0, 256, (batch, client.block_bytes), dtype=torch.uint8)
-    times = []
-    for _ in range(stores + 1):  # the first warms the slots it lands in
-        t0 = time.perf_counter()
-        slots = client.reserve([uuid.uuid4().bytes for _ in range(batch)])
-        reserved = time.perf_counter() - t0
-        if min(slots) < 0:
-            raise RuntimeError(f"reserve refused: {slots}")
-        for row, slot in zip(rows, slots, strict=True):
-            client.slab[slot].copy_(row)
-        t0 = time.perf_counter()
-        if not client.commit(slots):
-            raise RuntimeError("commit failed")
-        times.append(reserved + time.perf_counter() - t0)
+    # the first store warms the slots it lands in
+    times = [timed_store(client, rows) for _ in range(stores + 1)]
     return statistics.median(times[1:]) * 1e6
 
 
