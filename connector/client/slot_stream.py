@@ -212,6 +212,9 @@ class SlotCalls:
         self._lock = threading.Lock()
         self._stream: _Stream | None = None
         self._retry_at = 0.0
+        self.streamed = 0
+        """Operations sent over a stream."""
+        self.streams_opened = 0
         self.fallbacks = 0
         """Operations sent unary because the stream was broken."""
 
@@ -255,6 +258,8 @@ class SlotCalls:
         future = stream.put(op_id, method, pb.SlotOp(op_id=op_id, **{field: request}))
         if future is None:
             self.fallbacks += 1
+        else:
+            self.streamed += 1
         return stream, future
 
     def _stream_for(self, session: str) -> _Stream | None:
@@ -276,6 +281,7 @@ class SlotCalls:
                 return None
             self._retry_at = 0.0
             opened = self._stream = _Stream(self._stub, session, self._metadata)
+            self.streams_opened += 1
         if stream is not None:
             stream.close()
         return opened
