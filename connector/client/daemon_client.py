@@ -209,8 +209,8 @@ class DaemonClient:
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
         leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
-        self.slot_calls.close()
         self._keeper.close()
+        self.slot_calls.close()
         self._channel.close()
         self._arena.unmap()
 

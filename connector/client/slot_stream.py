@@ -65,7 +65,7 @@ class StreamError(grpc.RpcError):
 class OpFuture:
     """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``."""
 
-    __slots__ = ("_callbacks", "_done", "_error", "_lock", "_reply")
+    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply")
 
     def __init__(self):
         self._done = threading.Event()
@@ -73,9 +73,11 @@ class OpFuture:
         self._error: grpc.RpcError | None = None
         self._callbacks: list[Callable[[OpFuture], None]] = []
         self._lock = threading.Lock()
+        self._cancelled = False
 
     def cancelled(self) -> bool:
-        return False
+        """True if the client closed the stream under it (it stopped waiting itself)."""
+        return self._cancelled
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -99,11 +101,13 @@ class OpFuture:
                 return
         callback(self)
 
-    def finish(self, reply: object = None, error: grpc.RpcError | None = None) -> None:
+    def finish(
+        self, reply: object = None, error: grpc.RpcError | None = None, cancelled: bool = False
+    ) -> None:
         with self._lock:
             if self._done.is_set():
                 return
-            self._reply, self._error = reply, error
+            self._reply, self._error, self._cancelled = reply, error, cancelled
             self._done.set()
             callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
@@ -116,6 +120,7 @@ class _Stream:
     def __init__(self, stub: pb_grpc.KvTierStub, session: str, metadata):
         self.session = session
         self.broken: grpc.RpcError | None = None
+        self._closed = False
         self._pending: dict[int, tuple[OpFuture, str]] = {}
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[pb.SlotOp | None] = queue.SimpleQueue()
@@ -139,6 +144,8 @@ class _Stream:
             self._pending.pop(op_id, None)
 
     def close(self) -> None:
+        """Ends the stream; what still waits on it fails as cancelled by the client."""
+        self._closed = True
         self._queue.put(None)
         self._responses.cancel()
 
@@ -180,7 +187,7 @@ class _Stream:
         if pending:
             log.debug("kvtier SlotOps stream broke (%s); %d operations fail", error, len(pending))
         for future, _ in pending.values():
-            future.finish(error=error)
+            future.finish(error=error, cancelled=self._closed)
 
 
 def _answer(result: pb.SlotResult, future: OpFuture, method: str) -> None:
