@@ -63,7 +63,7 @@ class DaemonClient:
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
     handed over to another's acquire. ``lookup_index=True`` probes the daemon's shared-memory
     index first and calls only where it cannot answer (``lookups``); off by default until the
-    daemon's hit statistics count what probes answer. ``slot_stream``: slot calls share a stream.
+    daemon's hit statistics count what probes answer. ``slot_stream=False``: slot calls unary.
     """
 
     def __init__(
@@ -82,7 +82,7 @@ class DaemonClient:
         map_arena: bool = True,
         engine_group: str = "",
         lookup_index: bool = False,
-        slot_stream: bool = False,
+        slot_stream: bool = True,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")

@@ -10,7 +10,8 @@ session up) is the same for both.
 The stream serves one session. A call for the live session finds its stream open, or opens
 it (ending the stream of an earlier session); a call for any other session goes unary. When
 the stream breaks, every operation waiting on it fails with the stream's status, as a call
-cut off that way would, and calls go unary until a new stream opens ``stream_retry_s`` later.
+cut off that way would, and calls go unary until a new stream opens ``stream_retry_s`` later;
+a daemon that has no ``SlotOps`` is called unary for good.
 A waiting caller keeps its deadline (``call``); an operation sent without waiting (``future``)
 waits for its answer or for the stream's end, and ``LaterCalls.settle`` bounds how long
 anything waits on it.
@@ -238,6 +239,12 @@ class SlotCalls:
             raise StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} missed its deadline"
             ) from None
+        except StreamError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A daemon without SlotOps never ran the operation: unary from now on.
+            self.streaming = False
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
 
     def future(self, method: str, request, timeout: float):
         """Sends one operation without waiting; ``timeout`` bounds a unary call only."""
