@@ -99,6 +99,7 @@ class _Stream:
     async def _read(self, requests: AsyncIterator) -> None:
         """Starts each batch's operations; ends the stream when the client ends its side (once
         every operation is answered) or sent a batch that cannot be taken."""
+        end = _End(RequestError(grpc.StatusCode.UNKNOWN, "the daemon failed reading the stream"))
         try:
             async for batch in requests:
                 self._check(batch)
@@ -109,11 +110,12 @@ class _Stream:
                     task.add_done_callback(self.running.discard)
             if self.running:
                 await asyncio.wait(list(self.running))
+            end = _End()
         except REFUSALS as exc:
             self.servicer.refused(self.context, exc, status_of(exc)[1])
-            self.out.put_nowait(_End(exc))
-            return
-        self.out.put_nowait(_End())
+            end = _End(exc)
+        finally:
+            self.out.put_nowait(end)
 
     async def _stop_with_daemon(self) -> None:
         await self.servicer.stopping.wait()
