@@ -29,6 +29,10 @@ class EngineTunables:
     """Longest wait between attempts to open a session: a daemon that comes back is used within two
     seconds, one that stays away is not hammered."""
 
+    stream_retry_s: float = 1.0
+    """Pause after a session's ``SlotOps`` stream broke before the next one opens (its calls go
+    unary meanwhile): a stream the daemon keeps ending is not reopened on every call."""
+
     capacity_refresh_s: float = 2.0
     """Capacity moves slowly and a Stats call walks every layout: a few seconds is fresh enough."""
 

@@ -16,6 +16,11 @@ HASH_BYTES = 16
 DEFAULT_NAME = "default"
 MAX_HASHES = 65536
 """Most hashes or slots one call may carry (a 1 MiB packed ``hashes`` field)."""
+MAX_SLOT_OPS = 1024
+"""Most operations one ``SlotOpBatch`` may carry."""
+SLOT_BATCH_BYTES = 1 << 20
+"""A client closes a ``SlotOpBatch`` once it holds this many bytes; the daemon takes a batch
+of up to this plus the largest single operation."""
 MAX_PIN_S = 3600.0
 """Longest pin one ``Pin`` may ask for (an agent's context between its calls, not a store)."""
 MIN_BLOCK_BYTES = 4096

@@ -188,6 +188,56 @@ class PinResponse(_message.Message):
     refused: int
     def __init__(self, pinned: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
+class SlotOp(_message.Message):
+    __slots__ = ("op_id", "reserve", "commit", "abort", "acquire", "release", "cancel")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    reserve: ReserveRequest
+    commit: SlotsRequest
+    abort: SlotsRequest
+    acquire: AcquireRequest
+    release: SlotsRequest
+    cancel: CancelRequest
+    def __init__(self, op_id: _Optional[int] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., commit: _Optional[_Union[SlotsRequest, _Mapping]] = ..., abort: _Optional[_Union[SlotsRequest, _Mapping]] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[SlotsRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+
+class SlotOpBatch(_message.Message):
+    __slots__ = ("session_id", "ops")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ops: _containers.RepeatedCompositeFieldContainer[SlotOp]
+    def __init__(self, session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SlotOp, _Mapping]]] = ...) -> None: ...
+
+class SlotResult(_message.Message):
+    __slots__ = ("op_id", "code", "message", "reserve", "slots", "acquire", "cancel")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    code: int
+    message: str
+    reserve: ReserveResponse
+    slots: SlotsResponse
+    acquire: AcquireResponse
+    cancel: CancelResponse
+    def __init__(self, op_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., slots: _Optional[_Union[SlotsResponse, _Mapping]] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., cancel: _Optional[_Union[CancelResponse, _Mapping]] = ...) -> None: ...
+
+class SlotResultBatch(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SlotResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SlotResult, _Mapping]]] = ...) -> None: ...
+
 class PutRequest(_message.Message):
     __slots__ = ("session_id", "hash", "meta", "data")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

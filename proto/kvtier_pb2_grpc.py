@@ -89,6 +89,11 @@ class KvTierStub:
                 request_serializer=kvtier__pb2.PinRequest.SerializeToString,
                 response_deserializer=kvtier__pb2.PinResponse.FromString,
                 _registered_method=True)
+        self.SlotOps = channel.stream_stream(
+                '/kvtier.v1.KvTier/SlotOps',
+                request_serializer=kvtier__pb2.SlotOpBatch.SerializeToString,
+                response_deserializer=kvtier__pb2.SlotResultBatch.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvtier.v1.KvTier/Put',
                 request_serializer=kvtier__pb2.PutRequest.SerializeToString,
@@ -193,6 +198,17 @@ class KvTierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SlotOps(self, request_iterator, context):
+        """Reserve, Commit, Abort, Acquire, Release and Cancel of one session over one long-lived
+        stream, in batches: each operation is checked and run as its own call would be, and
+        answered (in the order they finish) with the id the client gave it. The stream serves the
+        session named in its first batch; an operation naming another is refused. A batch that
+        cannot be taken (undecodable, too large, too many operations) ends the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Put(self, request_iterator, context):
         """Bytes through gRPC: store blocks (reserve + write + commit in the daemon).
         """
@@ -278,6 +294,11 @@ def add_KvTierServicer_to_server(servicer, server):
                     servicer.Pin,
                     request_deserializer=kvtier__pb2.PinRequest.FromString,
                     response_serializer=kvtier__pb2.PinResponse.SerializeToString,
+            ),
+            'SlotOps': grpc.stream_stream_rpc_method_handler(
+                    servicer.SlotOps,
+                    request_deserializer=kvtier__pb2.SlotOpBatch.FromString,
+                    response_serializer=kvtier__pb2.SlotResultBatch.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -597,6 +618,33 @@ class KvTier:
             '/kvtier.v1.KvTier/Pin',
             kvtier__pb2.PinRequest.SerializeToString,
             kvtier__pb2.PinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SlotOps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvtier.v1.KvTier/SlotOps',
+            kvtier__pb2.SlotOpBatch.SerializeToString,
+            kvtier__pb2.SlotResultBatch.FromString,
             options,
             channel_credentials,
             insecure,

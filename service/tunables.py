@@ -26,6 +26,11 @@ class DaemonTunables:
     """Threads for lookups that ask the tiers below: a remote store answering slowly holds one each
     for up to its lookup timeout, so they are kept apart from the slot operations."""
 
+    slot_ops_in_flight: int = 256
+    """Operations of one ``SlotOps`` stream running or waiting to be written; beyond that the
+    daemon stops reading the stream, so a client that never reads its answers costs bounded
+    memory."""
+
     watch_batch: int = 1024
     """Most events in one message."""
 

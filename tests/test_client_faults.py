@@ -64,26 +64,34 @@ def test_a_frozen_daemon_still_answers_lookups_from_its_index_until_a_call_trips
     client.close()
 
 
-def test_a_late_acquire_chunk_fails_that_chunk_only(daemon):
-    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+@pytest.fixture(params=[False, True], ids=["unary", "stream"])
+def slot_stream(request) -> bool:
+    """Whether the client sends its slot operations over its ``SlotOps`` stream."""
+    return request.param
+
+
+def test_a_late_acquire_chunk_fails_that_chunk_only(daemon, slot_stream):
+    client = daemon.client(
+        timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES, slot_stream=slot_stream
+    )
     hashes = [block_hash("chunked", i) for i in range(8)]
     assert store(client, hashes) == hashes
-    acquire = client._stub.Acquire
+    call = client.slot_calls.call
     calls = []
 
-    def first_then_freeze(request, **kwargs):
-        reply = acquire(request, **kwargs)
+    def first_then_freeze(method, request, timeout):
+        reply = call(method, request, timeout)
         calls.append(len(reply.slots))
         if len(calls) == 1:
             daemon.proc.send_signal(signal.SIGSTOP)  # the second chunk will be late
         return reply
 
-    client._stub.Acquire = first_then_freeze
+    client.slot_calls.call = first_then_freeze
     try:
         slots = client.acquire(hashes)
     finally:
         daemon.proc.send_signal(signal.SIGCONT)
-    client._stub.Acquire = acquire
+    client.slot_calls.call = call
     assert calls == [4] and len(slots) == 4  # the first chunk, and nothing of the second
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     assert client.settle(timeout=30)  # the Cancel of the late chunk was answered
@@ -106,26 +114,28 @@ def _reserve_and_fill(client, hashes):
     return slots
 
 
-def test_a_late_commit_chunk_fails_that_chunk_only(daemon):
-    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+def test_a_late_commit_chunk_fails_that_chunk_only(daemon, slot_stream):
+    client = daemon.client(
+        timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES, slot_stream=slot_stream
+    )
     hashes = [block_hash("commit-late", i) for i in range(12)]
     slots = _reserve_and_fill(client, hashes)
-    commit = client._stub.Commit
+    call = client.slot_calls.call
     calls = []
 
-    def second_is_late(request, **kwargs):
+    def second_is_late(method, request, timeout):
         calls.append(list(request.slots))
         if len(calls) == 2:
             daemon.proc.send_signal(signal.SIGSTOP)
             try:
-                return commit(request, **kwargs)
+                return call(method, request, timeout)
             finally:
                 daemon.proc.send_signal(signal.SIGCONT)
-        return commit(request, **kwargs)
+        return call(method, request, timeout)
 
-    client._stub.Commit = second_is_late
+    client.slot_calls.call = second_is_late
     assert not client.commit(slots)
-    client._stub.Commit = commit
+    client.slot_calls.call = call
     assert calls == [slots[:4], slots[4:8]]  # the breaker opened: the third chunk missed at once
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     assert client.settle(timeout=30)
@@ -135,25 +145,27 @@ def test_a_late_commit_chunk_fails_that_chunk_only(daemon):
     client.close()
 
 
-def test_a_refused_commit_chunk_costs_that_chunk_only(daemon):
+def test_a_refused_commit_chunk_costs_that_chunk_only(daemon, slot_stream):
     """A chunk the daemon refuses (here: it names a slot the session never reserved) is
     aborted; the chunks after it are still committed."""
-    client = daemon.client(timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES)
+    client = daemon.client(
+        timeout_s=TIMEOUT_S, chunk_bytes=4 * BLOCK_BYTES, slot_stream=slot_stream
+    )
     hashes = [block_hash("commit-refused", i) for i in range(12)]
     slots = _reserve_and_fill(client, hashes)
     stray = next(s for s in range(len(client.slab)) if s not in slots)
-    commit = client._stub.Commit
+    call = client.slot_calls.call
     calls = []
 
-    def second_is_refused(request, **kwargs):
+    def second_is_refused(method, request, timeout):
         calls.append(len(calls))
         if len(calls) == 2:
             request = type(request)(session_id=request.session_id, slots=[*request.slots, stray])
-        return commit(request, **kwargs)
+        return call(method, request, timeout)
 
-    client._stub.Commit = second_is_refused
+    client.slot_calls.call = second_is_refused
     assert not client.commit(slots)
-    client._stub.Commit = commit
+    client.slot_calls.call = call
     assert len(calls) == 3 and not client.breaker.is_open
     assert client.settle(timeout=30)
     assert daemon.stats().reserved_slots == 0

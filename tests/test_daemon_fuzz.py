@@ -2,14 +2,17 @@
 
 Every method gets requests of three kinds, from a fixed seed: well-formed messages with random
 field values (with and without a real session, so the deep paths run), valid messages with
-random bytes flipped, cut or appended, and plain garbage. Afterwards the daemon must still be
-SERVING, every call must have been answered with a status that is not UNKNOWN (an exception
-of our own code), its memory and its log must have grown by a bounded amount, and the blocks
-another client stored before the storm must come back exact.
+random bytes flipped, cut or appended, and plain garbage. ``SlotOps`` streams get batches of
+random operations: any kind or none, another session's, slots out of range, oversized batches,
+garbage ids. Afterwards the daemon must still be SERVING, every call and every operation of a
+stream must have been answered with a status that is not UNKNOWN (an exception of our own
+code), its memory and its log must have grown by a bounded amount, and the blocks another
+client stored before the storm must come back exact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 
@@ -38,9 +41,12 @@ def rss_bytes(pid: int) -> int:
 class Fuzzer:
     """Builds one request per call: a random message, a mutated one, or garbage."""
 
-    def __init__(self, rng: random.Random, sessions: list[str]):
+    def __init__(self, rng: random.Random, sessions: list[str], stream_sessions: list[str]):
         self.rng = rng
         self.sessions = sessions
+        self.stream_sessions = stream_sessions
+        """Sessions only ``SlotOps`` streams serve (no fuzzed Close ends them), so that their
+        operations reach the tiers."""
         self.slots: list[int] = list(range(8))
 
     def hashes(self) -> bytes:
@@ -106,6 +112,16 @@ class Fuzzer:
                     hashes=self.hashes(),
                     seconds=r.choice([0.0, -1.0, 1.0, 1e12, float("nan"), float("inf")]),
                 )
+            case "SlotOps":
+                session = r.choice(self.stream_sessions) if r.random() < 0.8 else self.session()
+                session = session if r.random() < 0.95 else ""
+                if r.random() < 0.05:  # more operations than one batch may carry
+                    ops = [pb.SlotOp(op_id=i) for i in range(contract.MAX_SLOT_OPS + 1)]
+                    return pb.SlotOpBatch(session_id=session, ops=ops)
+                count = r.choice([0, 1, 3, 17])
+                return pb.SlotOpBatch(
+                    session_id=session, ops=[self.slot_op() for _ in range(count)]
+                )
             case "Stats":
                 return pb.StatsRequest()
             case "WatchEvents":
@@ -114,6 +130,18 @@ class Fuzzer:
                     replay=r.random() < 0.5,
                 )
         raise AssertionError(name)
+
+    def slot_op(self) -> pb.SlotOp:
+        """One operation of a ``SlotOps`` batch: a random kind (or none), its own session
+        field empty, the stream's, or another's."""
+        kind = self.rng.choice(["Reserve", "Commit", "Abort", "Acquire", "Release", "Cancel"])
+        request = self.message(kind)
+        if self.rng.random() < 0.5:
+            request.session_id = ""
+        op = pb.SlotOp(op_id=self.rng.choice([0, 1, self.rng.randrange(2**64)]))
+        if self.rng.random() < 0.95:
+            getattr(op, kind.lower()).CopyFrom(request)
+        return op
 
     def payload(self, name: str) -> bytes:
         raw = self.message(name).SerializeToString()
@@ -130,16 +158,27 @@ class Fuzzer:
         return self.rng.randbytes(self.rng.choice([1, 7, 64, 4096]))
 
 
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
 STREAM_WAIT_S = 0.5
 """A watcher with nothing to hear waits for events: its deadline ends the call."""
 
 
-def call(channel: grpc.Channel, method, payload: bytes) -> grpc.StatusCode:
-    """Sends raw bytes to ``method``; returns the status (reading at most one reply)."""
+def call(
+    channel: grpc.Channel, method, payload: bytes, op_codes: dict | None = None
+) -> grpc.StatusCode:
+    """Sends raw bytes to ``method``; returns the status (reading at most one reply, or every
+    reply of a ``SlotOps`` stream, whose operations' codes count into ``op_codes``)."""
     path = f"/kvtier.v1.KvTier/{method.name}"
     kwargs = {"request_serializer": None, "response_deserializer": None}
     try:
-        if method.client_streaming:
+        if method.client_streaming and method.server_streaming:
+            stream = channel.stream_stream(path, **kwargs)(iter([payload, payload]), timeout=10)
+            for raw in stream:
+                for result in pb.SlotResultBatch.FromString(raw).results:
+                    code = _CODES[result.code]
+                    if op_codes is not None:
+                        op_codes[code] = op_codes.get(code, 0) + 1
+        elif method.client_streaming:
             channel.stream_unary(path, **kwargs)(iter([payload, payload]), timeout=10)
         elif method.server_streaming:
             stream = channel.unary_stream(path, **kwargs)(payload, timeout=STREAM_WAIT_S)
@@ -167,16 +206,21 @@ def test_ten_thousand_hostile_calls_leave_the_daemon_serving_and_others_intact(d
     channel, stub = daemon.stub()
     with channel:
         sessions = [open_session(stub).session_id for _ in range(3)]
+        stream_sessions = [open_session(stub).session_id for _ in range(2)]
         call(channel, _METHODS[0], b"")  # the first calls warm the daemon's caches
         rss_before = rss_bytes(daemon.proc.pid)
         log_before = len(daemon.log.read_text().splitlines())
-        fuzzer = Fuzzer(rng, sessions)
+        fuzzer = Fuzzer(rng, sessions, stream_sessions)
         codes: dict[str, dict[grpc.StatusCode, int]] = {}
+        op_codes: dict[grpc.StatusCode, int] = {}
         for _ in range(CALLS):
             method = rng.choice(_METHODS)
-            code = call(channel, method, fuzzer.payload(method.name))
+            code = call(channel, method, fuzzer.payload(method.name), op_codes)
             per_method = codes.setdefault(method.name, {})
             per_method[code] = per_method.get(code, 0) + 1
+        for session in stream_sessions:  # their slots back, for the owner's load below
+            with contextlib.suppress(grpc.RpcError):
+                stub.Close(pb.SessionRequest(session_id=session), timeout=10)
         health = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(), timeout=10
         )
@@ -185,6 +229,8 @@ def test_ten_thousand_hostile_calls_leave_the_daemon_serving_and_others_intact(d
         m: c[grpc.StatusCode.UNKNOWN] for m, c in codes.items() if grpc.StatusCode.UNKNOWN in c
     }
     assert not unknown, f"our own code failed: {unknown}\n{daemon.log.read_text()[-4000:]}"
+    assert grpc.StatusCode.UNKNOWN not in op_codes, daemon.log.read_text()[-4000:]
+    assert op_codes.get(grpc.StatusCode.OK, 0) > 100, op_codes  # operations reached the tiers
     # A call that waits for nothing ran out of its 10 s only if the daemon hung on it.
     waiting = {m.name for m in _METHODS if m.server_streaming}
     hung = {

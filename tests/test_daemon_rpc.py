@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -272,9 +273,17 @@ def test_tcp_requires_the_token():
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             good = contract.bearer("s3cret")
             assert stub.Stats(pb.StatsRequest(), timeout=10, metadata=good).sessions == 0
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.SlotOps(iter([pb.SlotOpBatch(session_id="x")]), timeout=10))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         client = d.client(token="s3cret", client_name="tcp")
         assert store(client, [block_hash("tcp", 0)]) == [block_hash("tcp", 0)]
         client.close()
+        tcp = DaemonClient(SIGNATURE, BLOCK_BYTES, target=target, token="s3cret")
+        assert tcp.wait_connected(60), d.log.read_text()
+        assert not tcp.slot_calls.streaming  # slot operations over TCP are unary calls
+        assert store(tcp, [block_hash("tcp", 1)]) == [block_hash("tcp", 1)]
+        tcp.close()
         assert d.stop() == 0
     finally:
         d.cleanup()

@@ -27,6 +27,7 @@ from kvtier.connector.client.circuit import health_probe, leave_breaker, shared_
 from kvtier.connector.client.later import LaterCalls
 from kvtier.connector.client.lookups import LookupCalls
 from kvtier.connector.client.session import SessionKeeper, SlotLedger
+from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.client.tools import ToolCalls
 from kvtier.connector.client.wire import meta_chunks, pack_hashes
 from kvtier.proto import contract
@@ -62,7 +63,7 @@ class DaemonClient:
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
     handed over to another's acquire. ``lookup_index=True`` probes the daemon's shared-memory
     index first and calls only where it cannot answer (``lookups``); off by default until the
-    daemon's hit statistics count what probes answer.
+    daemon's hit statistics count what probes answer. ``slot_stream=False``: slot calls unary.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class DaemonClient:
         map_arena: bool = True,
         engine_group: str = "",
         lookup_index: bool = False,
+        slot_stream: bool = True,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -107,11 +109,8 @@ class DaemonClient:
         self._end_lookups = lambda: self._lookups.end()
         self.breaker = shared_breaker(self.target, self._probe, self._end_lookups)
         # On this host the daemon can see whether this process is gone (pid + pid namespace).
-        local = (
-            {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
-            if self.target.startswith("unix:")
-            else {}
-        )
+        unix = self.target.startswith("unix:")
+        local = {"client_pid": os.getpid(), "client_pid_ns": contract.pid_namespace()}
         open_request = pb.OpenRequest(
             client_name=self.client_name,
             layout_signature=self.layout_signature,
@@ -119,7 +118,7 @@ class DaemonClient:
             block_tokens=block_tokens,
             protocol_version=contract.PROTOCOL_VERSION,
             engine_group=engine_group,
-            **local,
+            **(local if unix else {}),
         )
         self._keeper = SessionKeeper(
             self._stub,
@@ -140,9 +139,10 @@ class DaemonClient:
             metadata=self._metadata,
             timeout_s=timeout_s,
             index_of=(self.target.removeprefix("unix:"), self.layout_signature)
-            if lookup_index and self.target.startswith("unix:")
+            if lookup_index and unix
             else None,
         )
+        self.slot_calls = SlotCalls(self._stub, self._keeper, self._metadata, slot_stream and unix)
         self.tools = ToolCalls(
             self._stub,
             self._keeper,
@@ -156,10 +156,9 @@ class DaemonClient:
             load_gbps=load_gbps,
         )
         self._later = LaterCalls(
-            self._stub,
+            self.slot_calls,
             self._lock,
             self.breaker,
-            metadata=self._metadata,
             timeout_s=timeout_s,
             failed=self._failed,
             give_up=self._keeper.give_up,
@@ -211,6 +210,7 @@ class DaemonClient:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
         leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
         self._keeper.close()
+        self.slot_calls.close()
         self._channel.close()
         self._arena.unmap()
 
@@ -254,7 +254,7 @@ class DaemonClient:
                 call_id=call_id,
             )
             try:
-                reply = self._stub.Reserve(request, timeout=self.timeout_s, metadata=self._metadata)
+                reply = self.slot_calls.call("Reserve", request, self.timeout_s)
             except grpc.RpcError as exc:
                 repair = self._later.canceller(session, call_id)
                 self._failed("Reserve", exc, session, repair=repair)
@@ -297,7 +297,7 @@ class DaemonClient:
             return False
         request = pb.SlotsRequest(session_id=session, slots=chunk)
         try:
-            self._stub.Commit(request, timeout=self.timeout_s, metadata=self._metadata)
+            self.slot_calls.call("Commit", request, self.timeout_s)
         except grpc.RpcError as exc:
             # A late chunk may have been committed after all: its Abort is then refused
             # (tolerated) and the blocks stay readable, which is as good.
@@ -330,7 +330,7 @@ class DaemonClient:
             )
             deadline = self.timeout_s + len(chunk) * self.block_bytes / (self.load_gbps * 1e9)
             try:
-                reply = self._stub.Acquire(request, timeout=deadline, metadata=self._metadata)
+                reply = self.slot_calls.call("Acquire", request, deadline)
             except grpc.RpcError as exc:
                 repair = self._later.canceller(session, call_id)
                 self._failed("Acquire", exc, session, repair=repair)

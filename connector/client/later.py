@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvtier.connector.client.circuit import CircuitBreaker
+from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
 Failed = Callable[[str, grpc.RpcError, str], None]
 """Counts a failed call of this method on this session (the client's ``_failed``)."""
@@ -31,23 +31,22 @@ class LaterCalls:
 
     def __init__(
         self,
-        stub: pb_grpc.KvTierStub,
+        calls: SlotCalls,
         lock: threading.Lock,
         breaker: CircuitBreaker,
         *,
-        metadata,
         timeout_s: float,
         failed: Failed,
         give_up: GiveUp,
     ):
-        self._stub = stub
+        self._calls = calls
         self._lock = lock
         self._breaker = breaker
-        self._metadata = metadata
         self._timeout = max(TUNABLES.repair_timeout_s, timeout_s)
         self._failed = failed
         self._give_up = give_up
-        self._unsettled: list[grpc.Future] = []
+        self._unsettled: list = []
+        """grpc.Future or OpFuture: the calls not answered yet."""
 
     def send(
         self, method: str, session: str, slots: Sequence[int], tolerate_gone: bool = False
@@ -56,9 +55,7 @@ class LaterCalls:
         of these slots is then unknown. ``tolerate_gone``: the slots may be committed already
         (an abort repairing a commit), which is fine."""
         request = pb.SlotsRequest(session_id=session, slots=slots)
-        future = getattr(self._stub, method).future(
-            request, timeout=self._timeout, metadata=self._metadata
-        )
+        future = self._calls.future(method, request, self._timeout)
 
         def settled(future: grpc.Future) -> None:
             self._forget(future)
@@ -79,9 +76,7 @@ class LaterCalls:
 
         def cancel() -> None:
             request = pb.CancelRequest(session_id=session, call_id=call_id)
-            future = self._stub.Cancel.future(
-                request, timeout=self._timeout, metadata=self._metadata
-            )
+            future = self._calls.future("Cancel", request, self._timeout)
 
             def settled(future: grpc.Future) -> None:
                 self._forget(future)

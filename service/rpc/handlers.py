@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvtier.proto import kvtier_pb2 as pb
-from kvtier.proto.contract import HASH_BYTES, MAX_HASHES, MAX_MESSAGE_BYTES
+from kvtier.proto.contract import HASH_BYTES, MAX_HASHES, MAX_MESSAGE_BYTES, SLOT_BATCH_BYTES
 from kvtier.service.tunables import TUNABLES
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvTier"]
@@ -36,6 +36,7 @@ REQUEST_LIMITS = {
     "Abort": _SLOTS,
     "Release": _SLOTS,
     "Put": MAX_MESSAGE_BYTES,
+    "SlotOps": SLOT_BATCH_BYTES + _HASHES + RESERVE_META_BYTES,
 }
 """Largest encoded request per method; methods not named here take small requests only."""
 
@@ -78,8 +79,8 @@ def add_servicer(servicer: object, server: grpc.aio.Server) -> None:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
         if method.client_streaming and method.server_streaming:
-            raise AssertionError("no bidirectional method is expected")
-        if method.client_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif method.client_streaming:
             make = grpc.stream_unary_rpc_method_handler
         elif method.server_streaming:
             make = grpc.unary_stream_rpc_method_handler

@@ -32,7 +32,7 @@ from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.contract import HASH_BYTES, pid_namespace
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
-from kvtier.service.rpc import watch
+from kvtier.service.rpc import slot_ops, watch
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
@@ -190,7 +190,35 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @unary
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        peer = session_peer(context)
+        return await self.reserve(request, session_peer(context))
+
+    @unary
+    async def Commit(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+        return await self.commit(request, session_peer(context))
+
+    @unary
+    async def Abort(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+        return await self.abort(request, session_peer(context))
+
+    @unary
+    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
+        return await self.acquire(request, session_peer(context))
+
+    @unary
+    async def Release(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+        return await self.release(request, session_peer(context))
+
+    @unary
+    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
+        return await self.cancel(request, session_peer(context))
+
+    async def SlotOps(self, request_iterator: AsyncIterator, context) -> AsyncIterator:
+        async for results in slot_ops.serve(self, request_iterator, context):
+            yield results
+
+    # ---- slot operations, as a unary call or a ``SlotOps`` stream runs them ----
+
+    async def reserve(self, request: pb.ReserveRequest, peer: str) -> pb.ReserveResponse:
         below = self.daemon.below_host(request.session_id, peer)
         slots = await self._run(
             lambda: self.daemon.reserve(
@@ -204,10 +232,8 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         )
         return pb.ReserveResponse(slots=slots)
 
-    @unary
-    async def Commit(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+    async def commit(self, request: pb.SlotsRequest, peer: str) -> pb.SlotsResponse:
         slots = self._slots(request)
-        peer = session_peer(context)
         await self._run(
             functools.partial(self.daemon.commit, request.session_id, slots, peer),
             heavy=len(slots) > TUNABLES.inline_batch
@@ -215,15 +241,12 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         )
         return pb.SlotsResponse(count=len(slots))
 
-    @unary
-    async def Abort(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+    async def abort(self, request: pb.SlotsRequest, peer: str) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.abort(request.session_id, slots, session_peer(context))
+        self.daemon.abort(request.session_id, slots, peer)
         return pb.SlotsResponse(count=len(slots))
 
-    @unary
-    async def Acquire(self, request: pb.AcquireRequest, context) -> pb.AcquireResponse:
-        peer = session_peer(context)
+    async def acquire(self, request: pb.AcquireRequest, peer: str) -> pb.AcquireResponse:
         slots, sources = await self._run(
             lambda: self.daemon.acquire(
                 request.session_id, self._hashes(request), request.call_id, peer
@@ -233,15 +256,13 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             slots=slots, host=sources.host, disk=sources.disk, remote=sources.remote
         )
 
-    @unary
-    async def Release(self, request: pb.SlotsRequest, context) -> pb.SlotsResponse:
+    async def release(self, request: pb.SlotsRequest, peer: str) -> pb.SlotsResponse:
         slots = self._slots(request)
-        self.daemon.release(request.session_id, slots, session_peer(context))
+        self.daemon.release(request.session_id, slots, peer)
         return pb.SlotsResponse(count=len(slots))
 
-    @unary
-    async def Cancel(self, request: pb.CancelRequest, context) -> pb.CancelResponse:
-        returned = self.daemon.cancel(request.session_id, request.call_id, session_peer(context))
+    async def cancel(self, request: pb.CancelRequest, peer: str) -> pb.CancelResponse:
+        returned = self.daemon.cancel(request.session_id, request.call_id, peer)
         return pb.CancelResponse(returned=returned)
 
     @unary

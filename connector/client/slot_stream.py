@@ -1,0 +1,301 @@
+"""The daemon client's slot operations: over the session's ``SlotOps`` stream, or unary.
+
+Reserve, Commit, Abort, Acquire, Release and Cancel of the live session share one long-lived
+stream: each operation carries an id, a writer gathers what callers on any thread queued into
+one batch, and a reader hands each answer to the caller waiting for its id. An operation
+answers as its unary call would: the reply, or a ``grpc.RpcError`` with the code and details
+its call would have ended with, so the client's failure handling (breaker, repair, giving the
+session up) is the same for both.
+
+The stream serves one session. A call for the live session finds its stream open, or opens
+it (ending the stream of an earlier session); a call for any other session goes unary. When
+the stream breaks, every operation waiting on it fails with the stream's status, as a call
+cut off that way would, and calls go unary until a new stream opens ``stream_retry_s`` later;
+a daemon that has no ``SlotOps`` is called unary for good.
+A waiting caller keeps its deadline (``call``); an operation sent without waiting (``future``)
+waits for its answer or for the stream's end, and ``LaterCalls.settle`` bounds how long
+anything waits on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from kvtier.connector.client.session import SessionKeeper
+from kvtier.connector.tunables import TUNABLES
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_OP_FIELDS = {
+    "Reserve": ("reserve", "reserve"),
+    "Commit": ("commit", "slots"),
+    "Abort": ("abort", "slots"),
+    "Acquire": ("acquire", "acquire"),
+    "Release": ("release", "slots"),
+    "Cancel": ("cancel", "cancel"),
+}
+"""Method -> (its field in ``SlotOp``, the field of ``SlotResult`` that holds its reply)."""
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StreamError(grpc.RpcError):
+    """An operation's failure over the stream, shaped as its unary call's would be."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class OpFuture:
+    """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``."""
+
+    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply")
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._reply = None
+        self._error: grpc.RpcError | None = None
+        self._callbacks: list[Callable[[OpFuture], None]] = []
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def cancelled(self) -> bool:
+        """True if the client closed the stream under it (it stopped waiting itself)."""
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+    def exception(self, timeout: float | None = None) -> grpc.RpcError | None:
+        if not self._done.wait(timeout):
+            raise grpc.FutureTimeoutError()
+        return self._error
+
+    def add_done_callback(self, callback: Callable[[OpFuture], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def finish(
+        self, reply: object = None, error: grpc.RpcError | None = None, cancelled: bool = False
+    ) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._reply, self._error, self._cancelled = reply, error, cancelled
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+
+class _Stream:
+    """One open ``SlotOps`` stream, bound to ``session``."""
+
+    def __init__(self, stub: pb_grpc.KvTierStub, session: str, metadata):
+        self.session = session
+        self.broken: grpc.RpcError | None = None
+        self._closed = False
+        self._pending: dict[int, tuple[OpFuture, str]] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[pb.SlotOp | None] = queue.SimpleQueue()
+        self._responses = stub.SlotOps(self._batches(), metadata=metadata)
+        self._reader = threading.Thread(target=self._read, name="kvtier-slot-ops", daemon=True)
+        self._reader.start()
+
+    def put(self, op_id: int, method: str, op: pb.SlotOp) -> OpFuture | None:
+        """Queues an operation; None if the stream is broken (the caller goes unary)."""
+        future = OpFuture()
+        with self._lock:
+            if self.broken is not None:
+                return None
+            self._pending[op_id] = (future, method)
+        self._queue.put(op)
+        return future
+
+    def forget(self, op_id: int) -> None:
+        """Stops waiting for an operation (its caller's deadline passed)."""
+        with self._lock:
+            self._pending.pop(op_id, None)
+
+    def close(self) -> None:
+        """Ends the stream; what still waits on it fails as cancelled by the client."""
+        self._closed = True
+        self._queue.put(None)
+        self._responses.cancel()
+
+    def _batches(self) -> Iterator[pb.SlotOpBatch]:
+        """What callers queued, one batch per wake-up; the first names the session."""
+        session = self.session
+        while True:
+            op = self._queue.get()
+            ops, size = [], 0
+            while op is not None:
+                ops.append(op)
+                size += op.ByteSize()
+                if len(ops) >= contract.MAX_SLOT_OPS or size >= contract.SLOT_BATCH_BYTES:
+                    break
+                try:
+                    op = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if ops:
+                yield pb.SlotOpBatch(session_id=session, ops=ops)
+                session = ""
+            if op is None:
+                return
+
+    def _read(self) -> None:
+        try:
+            for batch in self._responses:
+                for result in batch.results:
+                    with self._lock:
+                        waiting = self._pending.pop(result.op_id, None)
+                    if waiting is not None:
+                        _answer(result, *waiting)
+            error = StreamError(grpc.StatusCode.UNAVAILABLE, "SlotOps stream ended")
+        except grpc.RpcError as exc:
+            error = StreamError(exc.code(), exc.details() or "SlotOps stream broke")
+        with self._lock:
+            self.broken = error
+            pending, self._pending = self._pending, {}
+        if pending:
+            log.debug("kvtier SlotOps stream broke (%s); %d operations fail", error, len(pending))
+        for future, _ in pending.values():
+            future.finish(error=error, cancelled=self._closed)
+
+
+def _answer(result: pb.SlotResult, future: OpFuture, method: str) -> None:
+    if result.code:
+        code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
+        future.finish(error=StreamError(code, result.message))
+    else:
+        future.finish(getattr(result, _OP_FIELDS[method][1]))
+
+
+class SlotCalls:
+    """Sends slot operations over the live session's stream (``streaming``) or unary.
+
+    ``keeper.session`` is the live session: only its operations use the stream.
+    """
+
+    def __init__(
+        self,
+        stub: pb_grpc.KvTierStub,
+        keeper: SessionKeeper,
+        metadata,
+        streaming: bool,
+    ):
+        self._stub = stub
+        self._keeper = keeper
+        self._metadata = metadata
+        self.streaming = streaming
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._stream: _Stream | None = None
+        self._retry_at = 0.0
+        self.streamed = 0
+        """Operations sent over a stream."""
+        self.streams_opened = 0
+        self.fallbacks = 0
+        """Operations sent unary because the stream was broken."""
+
+    def call(self, method: str, request, timeout: float):
+        """Sends one operation and waits up to ``timeout`` for its reply."""
+        op_id = next(self._ids)
+        stream, future = self._put(op_id, method, request)
+        if future is None:
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+        try:
+            return future.result(timeout)
+        except grpc.FutureTimeoutError:
+            stream.forget(op_id)
+            raise StreamError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} missed its deadline"
+            ) from None
+        except StreamError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # A daemon without SlotOps never ran the operation: unary from now on.
+            self.streaming = False
+            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
+
+    def future(self, method: str, request, timeout: float):
+        """Sends one operation without waiting; ``timeout`` bounds a unary call only."""
+        _, future = self._put(next(self._ids), method, request)
+        if future is None:
+            return getattr(self._stub, method).future(
+                request, timeout=timeout, metadata=self._metadata
+            )
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            stream, self._stream = self._stream, None
+            self.streaming = False
+        if stream is not None:
+            stream.close()
+
+    def _put(self, op_id: int, method: str, request) -> tuple[_Stream | None, OpFuture | None]:
+        if not self.streaming:
+            return None, None
+        stream = self._stream_for(request.session_id)
+        if stream is None:
+            return None, None
+        field = _OP_FIELDS[method][0]
+        future = stream.put(op_id, method, pb.SlotOp(op_id=op_id, **{field: request}))
+        if future is None:
+            self.fallbacks += 1
+        else:
+            self.streamed += 1
+        return stream, future
+
+    def _stream_for(self, session: str) -> _Stream | None:
+        """The live session's open stream (opened if needed); None: go unary."""
+        if session != self._keeper.session:
+            return None
+        with self._lock:
+            stream = self._stream
+            if stream is not None and stream.session == session and stream.broken is None:
+                return stream
+            now = time.monotonic()
+            if stream is not None and stream.broken is not None and stream.session == session:
+                if not self._retry_at:
+                    self._retry_at = now + TUNABLES.stream_retry_s
+                if now < self._retry_at:
+                    self.fallbacks += 1
+                    return None
+            if not self.streaming:
+                return None
+            self._retry_at = 0.0
+            opened = self._stream = _Stream(self._stub, session, self._metadata)
+            self.streams_opened += 1
+        if stream is not None:
+            stream.close()
+        return opened

@@ -1,0 +1,93 @@
+"""The client's slot operations over its session's ``SlotOps`` stream: the same answers, the
+same deadline and breaker, and a stream that breaks costs the operations waiting on it only
+what their calls cut off would cost, then calls go unary until a new stream opens."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
+
+TIMEOUT_S = 0.5
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.send_signal(signal.SIGCONT)
+    assert d.stop() == 0, d.log.read_text()
+    d.cleanup()
+
+
+def held(daemon: Daemon) -> tuple[int, int]:
+    stats = daemon.stats()
+    return stats.reserved_slots, stats.acquired_slots
+
+
+def test_stores_and_loads_go_over_the_stream(daemon):
+    with daemon.client(slot_stream=True) as client:
+        hashes = [block_hash("streamed", i) for i in range(8)]
+        assert store(client, hashes) == hashes
+        assert load(client, hashes) == hashes
+        assert client.settle(30)
+        assert client.slot_calls.streamed >= 4  # reserve, commit, acquire, release
+        assert client.slot_calls.streams_opened == 1
+        assert (client.failures, client.slot_calls.fallbacks) == (0, 0)
+        assert held(daemon) == (0, 0)
+
+
+def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daemon):
+    client = daemon.client(slot_stream=True, timeout_s=TIMEOUT_S, lookup_index=False)
+    hashes = [block_hash("frozen", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert client.acquire(hashes) == []  # waited out its deadline
+        assert client.breaker.trips == 1
+        assert client.reserve([block_hash("new", 0)])[0] < 0  # at once: the breaker is open
+        assert client.breaker.short_circuited >= 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: not client.breaker.is_open, "the breaker to close")
+    # the late acquire's slots came back through its Cancel; the session went on
+    wait_until(lambda: held(daemon) == (0, 0), "the late acquire's slots to come back")
+    assert load(client, hashes) == hashes
+    assert client.sessions_opened == 1
+    client.close()
+
+
+def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_one(daemon):
+    client = daemon.client(slot_stream=True, timeout_s=60)
+    hashes = [block_hash("broken", i) for i in range(4)]
+    assert store(client, hashes) == hashes
+    daemon.proc.send_signal(signal.SIGSTOP)
+    got: list[list[int]] = []
+    try:
+        loading = threading.Thread(target=lambda: got.append(client.acquire(hashes)))
+        loading.start()
+        wait_until(lambda: client.slot_calls.streamed >= 3, "the acquire to be on the stream")
+        client.slot_calls._stream.close()  # the stream breaks under the waiting acquire
+        loading.join(60)
+        assert not loading.is_alive(), "the acquire still waits on the broken stream"
+        assert got == [[]]
+        assert client.failures == 1
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+    # the acquire's Cancel went unary (the stream is broken) and gave its slots back
+    assert client.settle(60)
+    wait_until(lambda: held(daemon) == (0, 0), "the cut-off acquire's slots to come back")
+    assert client.slot_calls.fallbacks >= 1
+    assert client.sessions_opened == 1
+    wait_until(
+        lambda: load(client, hashes) == hashes and client.slot_calls.streams_opened == 2,
+        "a new stream to open",
+    )
+    assert client.settle(60)
+    assert held(daemon) == (0, 0)
+    assert not client.breaker.is_open
+    client.close()
