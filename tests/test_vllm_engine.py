@@ -93,8 +93,9 @@ HANG_GUARD_S = 600.0
 ATTACH_TIMEOUT_S = 60.0
 ENGINE_SESSIONS = 2
 """Daemon sessions one engine holds: its scheduler's and its (one) worker's."""
-FAULT_AT = 0.25
-"""Where in a pass a fault hits, as a share of the same pass's time without the fault."""
+FAULT_AFTER_READS = 5
+"""A fault hits once the pass has read this many blocks from the daemon (one request's
+prefix): the pass is under way, most of its requests still to come."""
 
 
 # ---------------------------------------------------------------- workloads
@@ -297,6 +298,14 @@ class KVTierEngine:
                 ]
                 print(*trouble[-20:], sep="\n")
         return result
+
+    def wait_reads(self, start: PassStart, blocks: int) -> None:
+        """Waits until the daemon has read ``blocks`` blocks since ``start``."""
+        wait_until(
+            lambda: sum(self.daemon_reads().values()) - sum(start.reads.values()) >= blocks,
+            f"the pass to read {blocks} blocks",
+            timeout=HANG_GUARD_S,
+        )
 
     def run(self, workload: str) -> PassResult:
         return self.finish_pass(workload, self.start_pass(workload))
@@ -604,13 +613,13 @@ def test_daemon_killed_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     assert_identical(f"{kvtier.name} fault_normal", normal.outputs, baseline["fault_normal"])
     kvtier.ensure_daemon()
     marks = kvtier.start_pass("fault_kill")
-    time.sleep(normal.seconds * FAULT_AT)
+    kvtier.wait_reads(marks, FAULT_AFTER_READS)
     assert not kvtier.engine.answered(), "the pass ended before the daemon was killed"
     kvtier.daemon.kill(signal.SIGKILL)
     killed = kvtier.finish_pass("fault_kill", marks)
     print(
         f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, "
-        f"{killed.seconds:.1f} s with the daemon killed from a quarter in"
+        f"{killed.seconds:.1f} s with the daemon killed once it had read {FAULT_AFTER_READS} blocks"
     )
     assert_identical(f"{kvtier.name} fault_kill", killed.outputs, baseline["fault_kill"])
 
@@ -626,7 +635,7 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     normal = kvtier.run("stop_normal")
     assert_identical(f"{kvtier.name} stop_normal", normal.outputs, baseline["stop_normal"])
     marks = kvtier.start_pass("fault_stop")
-    time.sleep(normal.seconds * FAULT_AT)
+    kvtier.wait_reads(marks, FAULT_AFTER_READS)
     assert not kvtier.engine.answered(), "the pass ended before the daemon was stopped"
     kvtier.daemon.proc.send_signal(signal.SIGSTOP)
     try:
@@ -637,7 +646,7 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
         kvtier.daemon.proc.send_signal(signal.SIGCONT)
     print(
         f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, {frozen_s:.1f} s with the daemon "
-        "frozen (SIGSTOP) from a quarter in"
+        f"frozen (SIGSTOP) once it had read {FAULT_AFTER_READS} blocks"
     )
     assert_identical(f"{kvtier.name} fault_stop", outputs, baseline["fault_stop"])
 
