@@ -20,7 +20,7 @@ from kvtier.bench.serve.sample import (
     sample_conversations,
     to_serve_requests,
 )
-from kvtier.bench.serve.vllm_command import NOT_AVAILABLE_EXIT
+from kvtier.bench.serve.vllm_command import NOT_AVAILABLE_EXIT, fit
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import Decoder
@@ -222,3 +222,10 @@ def test_reference_engine_refuses_a_model_it_does_not_have(capsys):
     args = parser.parse_args(["--workload", "chat", "--model", "meta-llama/Llama-3.2-1B"])
     with pytest.raises(SystemExit, match="reference engine's --model is one of"):
         serve_cmd.run(args)
+
+
+def test_vllm_requests_are_cut_to_the_model_length_outputs_first():
+    requests = [ServeRequest(0.0, tuple(range(900)), 600), ServeRequest(1.0, tuple(range(40)), 3)]
+    cut = fit(requests, 512)
+    assert [(len(r.prompt), r.output_tokens) for r in cut] == [(256, 256), (40, 3)]
+    assert cut[0].prompt == requests[0].prompt[:256], "a cut prompt keeps its prefix"

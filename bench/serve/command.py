@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests",
         type=int,
-        help="whole conversations sampled up to N requests (default 320; 24 with vLLM)",
+        help="whole conversations sampled up to N requests (default 320; 32 with vLLM)",
     )
     parser.add_argument(
         "--engine",

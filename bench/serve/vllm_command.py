@@ -29,7 +29,7 @@ from kvtier.bench.serve.sample import ServeRequest
 from kvtier.bench.serve.vllm_engine import ArmJob, arm_main
 
 NOT_AVAILABLE_EXIT = 2
-REQUESTS = 24
+REQUESTS = 32
 MAX_RUNNING = 8
 STEP_TOKENS = 256
 MAX_MODEL_LEN = 1024

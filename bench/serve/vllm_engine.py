@@ -85,7 +85,7 @@ def serve_arm(job: ArmJob, connector: dict[str, Any] | None) -> dict[str, Any]:
     )
     engine = llm.llm_engine
     rng = random.Random(WARMUP_SEED)
-    warmup = [[rng.randrange(3, VOCAB) for _ in range(2 * job.step_tokens)]]
+    warmup = [[rng.randrange(3, VOCAB) for _ in range(job.max_model_len // 2)]]
     serve(engine, warmup, [1], [0.0], "warmup")
     scale, capacity = job.time_scale, None
     if scale is None:
