@@ -6,7 +6,8 @@ Whole conversations are sampled from the trace (``sample``), each trace block sh
 then kvtier's host tier behind it, then host and disk. Arrival times are the trace's, scaled so
 that the offered load is ``--load`` of what the engine-only arm sustains, measured first by
 offering it a sixth of the requests at once. Each arm reports time to first token and
-throughput (``report``); ``--plot`` draws the TTFT distributions (``plot``).
+throughput (``report``); ``--plot`` draws the TTFT distributions (``plot``). ``--engine vllm``
+serves the same arms through vLLM's engine instead (``vllm_command``).
 """
 
 from __future__ import annotations
