@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvtier.bench.serve.sample import (
     sample_conversations,
     to_serve_requests,
 )
+from kvtier.bench.serve.vllm_command import NOT_AVAILABLE_EXIT, fit
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.model import Decoder
@@ -201,9 +203,29 @@ def test_command_on_the_wall_clock_runs_the_arms_in_turn(tmp_path, capsys):
     assert computed[1] < computed[0] and computed[2] < computed[0]
 
 
-def test_vllm_engine_says_it_is_not_supported(capsys):
+def test_vllm_engine_without_vllm_says_so_and_measures_nothing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not importable, wherever this runs
     parser = argparse.ArgumentParser()
     serve_cmd.add_arguments(parser)
-    args = parser.parse_args(["--workload", "chat", "--engine", "vllm"])
-    assert serve_cmd.run(args) == serve_cmd.NOT_SUPPORTED_EXIT
-    assert "not yet supported" in capsys.readouterr().err
+    argv = ["--workload", "chat", "--engine", "vllm", "--disk-dir", str(tmp_path), "--json"]
+    assert serve_cmd.run(parser.parse_args(argv)) == NOT_AVAILABLE_EXIT
+    captured = capsys.readouterr()
+    assert "--engine vllm needs vLLM importable" in captured.err
+    assert "nothing was measured" in captured.err
+    assert captured.out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reference_engine_refuses_a_model_it_does_not_have(capsys):
+    parser = argparse.ArgumentParser()
+    serve_cmd.add_arguments(parser)
+    args = parser.parse_args(["--workload", "chat", "--model", "meta-llama/Llama-3.2-1B"])
+    with pytest.raises(SystemExit, match="reference engine's --model is one of"):
+        serve_cmd.run(args)
+
+
+def test_vllm_requests_are_cut_to_the_model_length_outputs_first():
+    requests = [ServeRequest(0.0, tuple(range(900)), 600), ServeRequest(1.0, tuple(range(40)), 3)]
+    cut = fit(requests, 512)
+    assert [(len(r.prompt), r.output_tokens) for r in cut] == [(256, 256), (40, 3)]
+    assert cut[0].prompt == requests[0].prompt[:256], "a cut prompt keeps its prefix"

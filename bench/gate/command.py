@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -99,11 +100,12 @@ def write_model(path: Path, hidden: int, layers: int, seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_engine(job: EngineJob) -> dict[str, Any]:
-    """Runs ``job`` in a spawned process; its figures, or RuntimeError with its traceback."""
+def run_engine(job: Any, target: Callable[[Any, Any], None] = child_main) -> dict[str, Any]:
+    """Runs ``target(job, connection)`` in a spawned process (vLLM's engine wants one of its
+    own); the figures it sends, or RuntimeError with its traceback."""
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    proc = context.Process(target=child_main, args=(job, child), name="kvtier-gate-engine")
+    proc = context.Process(target=target, args=(job, child), name="kvtier-bench-engine")
     proc.start()
     child.close()
     try:

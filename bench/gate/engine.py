@@ -45,9 +45,8 @@ class EngineJob:
     prompts: dict[str, list[int]]
 
 
-def child_main(job: EngineJob, conn) -> None:
-    """The engine process: runs ``job``'s script and sends back ("ok", figures) or
-    ("error", traceback). The daemon it started is stopped whatever happens."""
+def enter_engine_process() -> None:
+    """Readies a spawned process for vLLM's CPU engine, its EngineCore in this process."""
     os.dup2(2, 1)  # vLLM logs to stdout, which is the bench's figures
     os.environ.update(
         {
@@ -57,6 +56,47 @@ def child_main(job: EngineJob, conn) -> None:
             "HF_HUB_OFFLINE": "1",
         }
     )
+
+
+def engine_args(
+    model: str,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    max_num_seqs: int,
+    step_tokens: int,
+    connector: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a float32 CPU engine with prefix caching and, given its
+    extra config (``endpoint`` and the like), KVTierConnector."""
+    args: dict[str, Any] = {
+        "model": model,
+        "dtype": "float32",
+        "block_size": BLOCK_TOKENS,
+        "max_model_len": max_model_len,
+        "kv_cache_memory_bytes": kv_cache_bytes,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": step_tokens,
+        "enable_prefix_caching": True,
+        "enforce_eager": True,
+        "disable_log_stats": False,  # kvtier's counters reach vLLM's metrics
+        "skip_tokenizer_init": True,
+        "seed": 0,
+    }
+    if connector is not None:
+        args["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.connector.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector,
+        }
+    return args
+
+
+def child_main(job: EngineJob, conn) -> None:
+    """The engine process: runs ``job``'s script and sends back ("ok", figures) or
+    ("error", traceback). The daemon it started is stopped whatever happens."""
+    enter_engine_process()
     daemon = GateDaemon(Path(job.daemon_root), job.host_bytes, job.disk_bytes, job.daemon_name)
     try:
         figures = (gate_on_script if job.load_gate else gate_off_script)(job, daemon)
@@ -75,28 +115,14 @@ class GateEngine:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(
-            model=job.model,
-            dtype="float32",
-            block_size=BLOCK_TOKENS,
-            max_model_len=job.max_model_len,
-            kv_cache_memory_bytes=64 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=job.step_tokens,
-            enable_prefix_caching=True,
-            enforce_eager=True,
-            disable_log_stats=False,  # kvtier's counters reach vLLM's metrics
-            skip_tokenizer_init=True,
-            seed=0,
-            kv_transfer_config={
-                "kv_connector": "KVTierConnector",
-                "kv_connector_module_path": "kvtier.connector.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "endpoint": daemon.target,
-                    "load_gate": job.load_gate,
-                },
-            },
+            **engine_args(
+                job.model,
+                job.max_model_len,
+                64 << 20,
+                4,
+                job.step_tokens,
+                {"endpoint": daemon.target, "load_gate": job.load_gate},
+            )
         )
         self.params = SamplingParams(max_tokens=1, ignore_eos=True)
         self.prompts = dict(job.prompts)

@@ -65,38 +65,44 @@ class ServeSetup:
 
 @dataclass(slots=True)
 class ArmResult:
-    """One arm's run and its tiers' spill counts."""
+    """One arm's run, its tiers' spill counts and (vLLM) its hits."""
 
     name: str
     loop: LoopResult
     blocks_spilled_to_host: int = 0
     blocks_spilled_to_disk: int = 0
+    hit_tokens: dict[str, int] | None = None
+    """Hit tokens per tier for the whole arm, where the engine counts them per run rather
+    than per request (vLLM); otherwise the requests' outcomes are summed."""
 
 
-def distinct_blocks(setup: ServeSetup, requests: Sequence[ServeRequest]) -> int:
-    """Distinct full blocks among the requests' prompts, as the engine hashes them."""
-    layout = setup.config.kv_layout(setup.block_size)
-    namespace = Namespace(setup.config.model_id, layout.signature)
+COUNTING_NAMESPACE = Namespace("kvtier-bench-serve", b"")
+"""Counting distinct blocks needs only that equal prefixes hash alike, in any namespace."""
+
+
+def distinct_blocks(block_size: int, requests: Sequence[ServeRequest]) -> int:
+    """Distinct full blocks of ``block_size`` tokens among the requests' prompts."""
     seen: set[bytes] = set()
     for request in requests:
-        seen.update(hash_prompt(namespace, request.prompt, setup.block_size))
+        seen.update(hash_prompt(COUNTING_NAMESPACE, request.prompt, block_size))
     return len(seen)
 
 
 def reusable_tokens(
-    setup: ServeSetup, requests: Sequence[ServeRequest], arrivals_s: Sequence[float]
+    block_size: int,
+    chunk_blocks: int,
+    requests: Sequence[ServeRequest],
+    arrivals_s: Sequence[float],
 ) -> int:
     """Prompt tokens an unbounded cache could supply: each request's longest prefix of blocks
-    that an earlier arrival's prompt holds, cut to whole chunks and short of the last token,
-    as the engine takes a prefix. The most any arm can hit."""
-    layout = setup.config.kv_layout(setup.block_size)
-    namespace = Namespace(setup.config.model_id, layout.signature)
-    bs, chunk = setup.block_size, setup.chunk_blocks
+    that an earlier arrival's prompt holds, cut to whole chunks of ``chunk_blocks`` and short
+    of the last token, as the engine takes a prefix. The most any arm can hit."""
+    bs, chunk = block_size, chunk_blocks
     seen: set[bytes] = set()
     total = 0
     for i in sorted(range(len(requests)), key=lambda i: arrivals_s[i]):
         prompt = requests[i].prompt
-        hashes = hash_prompt(namespace, prompt, bs)
+        hashes = hash_prompt(COUNTING_NAMESPACE, prompt, bs)
         usable = min(len(hashes), (len(prompt) - 1) // bs)
         hit = next((k for k in range(usable) if hashes[k] not in seen), usable)
         total += hit // chunk * chunk * bs
@@ -105,16 +111,16 @@ def reusable_tokens(
 
 
 def size_tiers(
-    setup: ServeSetup,
+    block_size: int,
     requests: Sequence[ServeRequest],
     gpu_blocks: int | None = None,
     host_blocks: int | None = None,
     disk_blocks: int | None = None,
 ) -> Sizes:
     """The given sizes, each missing one sized from the requests."""
-    distinct = max(distinct_blocks(setup, requests), 1)
+    distinct = max(distinct_blocks(block_size, requests), 1)
     if gpu_blocks is None:
-        bs = setup.block_size
+        bs = block_size
         largest = max(-(-(len(r.prompt) + r.output_tokens) // bs) for r in requests)
         gpu_blocks = max(math.ceil(GPU_SHARE * distinct), largest)
     if host_blocks is None:

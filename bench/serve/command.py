@@ -6,7 +6,8 @@ Whole conversations are sampled from the trace (``sample``), each trace block sh
 then kvtier's host tier behind it, then host and disk. Arrival times are the trace's, scaled so
 that the offered load is ``--load`` of what the engine-only arm sustains, measured first by
 offering it a sixth of the requests at once. Each arm reports time to first token and
-throughput (``report``); ``--plot`` draws the TTFT distributions (``plot``).
+throughput (``report``); ``--plot`` draws the TTFT distributions (``plot``). ``--engine vllm``
+serves the same arms through vLLM's engine instead (``vllm_command``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from kvtier.bench.serve.clock import CLOCKS
 from kvtier.bench.serve.plot import plot_ttft_cdf
 from kvtier.bench.serve.report import compare, print_text, ttfts_ms
 from kvtier.bench.serve.sample import ServeRequest, sample_conversations, to_serve_requests
+from kvtier.bench.serve.vllm_command import REQUESTS as VLLM_REQUESTS
+from kvtier.bench.serve.vllm_command import run_vllm
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.model import Decoder
 
@@ -41,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
 CALIBRATION_STRIDE = 6
-NOT_SUPPORTED_EXIT = 2
+REQUESTS = 320
 MODELS = {
     "small": lambda: ModelConfig(
         vocab_size=4096,
@@ -73,19 +76,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--requests",
         type=int,
-        default=320,
-        help="whole conversations sampled up to N requests (default 320)",
+        help="whole conversations sampled up to N requests (default 320; 32 with vLLM)",
     )
     parser.add_argument(
         "--engine",
         choices=("reference", "vllm"),
         default="reference",
-        help="the serving engine (vllm: not yet supported)",
+        help="the serving engine (vllm: its CPU build or GPU build, importable here)",
     )
     parser.add_argument(
         "--model",
-        choices=sorted(MODELS),
-        help="reference engine model (default: small on a CPU, 1b on a GPU)",
+        help=f"reference engine: one of {', '.join(sorted(MODELS))} (default: small on a "
+        "CPU, 1b on a GPU); vllm: a Hugging Face model directory or id (default: a random "
+        "Llama written to a temporary directory)",
     )
     parser.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     parser.add_argument(
@@ -127,9 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_requests(args: argparse.Namespace, block_tokens: int, vocab: int) -> list[ServeRequest]:
     trace = load_trace(args.trace) if args.trace else WORKLOADS[args.workload](args.seed)
-    sampled = sample_conversations(trace, args.requests, args.seed)
+    limit = args.requests or (VLLM_REQUESTS if args.engine == "vllm" else REQUESTS)
+    sampled = sample_conversations(trace, limit, args.seed)
     if not sampled:
-        raise SystemExit(f"kvtier bench serve: no conversation fits in {args.requests} requests")
+        raise SystemExit(f"kvtier bench serve: no conversation fits in {limit} requests")
     return to_serve_requests(sampled, block_tokens, vocab)
 
 
@@ -155,15 +159,10 @@ def time_scale(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.engine == "vllm":
-        print(
-            "kvtier bench serve: --engine vllm is not yet supported; only the reference "
-            "engine serves this benchmark (nothing was measured)",
-            file=sys.stderr,
-        )
-        return NOT_SUPPORTED_EXIT
     if not 0 < args.load <= 1:
         raise SystemExit(f"kvtier bench serve: --load must be in (0, 1], got {args.load}")
+    if args.engine == "vllm":
+        return _run_vllm(args)
     threads = torch.get_num_threads()
     try:
         return _run(args)
@@ -186,6 +185,11 @@ def _run(args: argparse.Namespace) -> int:
         )
     model_name, block_tokens, chunk_blocks, step_tokens, max_running = DEFAULTS[device.type]
     model_name = args.model or model_name
+    if model_name not in MODELS:
+        raise SystemExit(
+            f"kvtier bench serve: the reference engine's --model is one of "
+            f"{', '.join(sorted(MODELS))}, not {model_name!r}"
+        )
     block_tokens = args.block_tokens or block_tokens
     if block_tokens % BLOCK_SIZE:
         raise SystemExit(f"kvtier bench serve: --block-tokens must be a multiple of {BLOCK_SIZE}")
@@ -200,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
         CLOCKS[clock],
         args.disk_dir,
     )
-    sizes = size_tiers(setup, requests, args.gpu_blocks, args.host_blocks, args.disk_blocks)
+    sizes = size_tiers(BLOCK_SIZE, requests, args.gpu_blocks, args.host_blocks, args.disk_blocks)
     logger.info("%d requests; tiers %s", len(requests), sizes)
     scale, capacity = time_scale(args, setup, sizes, requests)
     arrivals = [r.arrival_s * scale for r in requests]
@@ -208,7 +212,7 @@ def _run(args: argparse.Namespace) -> int:
     results = run_arms(ARMS, setup, sizes, requests, arrivals)
     logger.info("%d arms served in %.1f s", len(ARMS), time.perf_counter() - arms_started)
     summary: dict[str, object] = {
-        "source": args.trace or f"{args.workload} (seed {args.seed})",
+        "source": _source(args),
         "requests": len(requests),
         "prompt_tokens": sum(len(r.prompt) for r in requests),
         "output_tokens": sum(r.output_tokens for r in requests),
@@ -232,9 +236,28 @@ def _run(args: argparse.Namespace) -> int:
         "time_scale": scale,
         "load": args.load,
         "engine_capacity_prompt_tokens_per_s": capacity,
-        "reusable_prompt_tokens": reusable_tokens(setup, requests, arrivals),
+        "reusable_prompt_tokens": reusable_tokens(
+            BLOCK_SIZE, setup.chunk_blocks, requests, arrivals
+        ),
     }
     summary |= compare(results)
+    return _report(args, summary, results, started)
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    base = {"source": _source(args), "engine": "vllm"}
+    summary = run_vllm(args, load_requests, CALIBRATION_STRIDE, base)
+    if isinstance(summary, int):
+        return summary
+    return _report(args, summary, summary.pop("results"), started)
+
+
+def _source(args: argparse.Namespace) -> str:
+    return args.trace or f"{args.workload} (seed {args.seed})"
+
+
+def _report(args: argparse.Namespace, summary: dict, results: list, started: float) -> int:
     if args.plot:
         plot_ttft_cdf(args.plot, str(summary["source"]), [(r.name, ttfts_ms(r)) for r in results])
         summary["plot"] = args.plot

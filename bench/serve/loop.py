@@ -60,12 +60,12 @@ class LoopResult:
     outcomes: list[Outcome]
     busy_s: float
     """Time spent in steps: the sum of the three parts below and of finishing requests."""
-    admit_s: float
-    """Admissions: hashing, the walk, lower-tier loads."""
-    decode_s: float
-    """Batched decode forward passes."""
-    prefill_s: float
-    """Prefill chunks."""
+    admit_s: float | None
+    """Admissions: hashing, the walk, lower-tier loads (None where the engine hides it)."""
+    decode_s: float | None
+    """Batched decode forward passes (None where the engine hides it)."""
+    prefill_s: float | None
+    """Prefill chunks (None where the engine hides it)."""
     span_s: float
     """From the first arrival to the last request's end."""
     steps: int

@@ -35,6 +35,11 @@ def arm_summary(arm: ArmResult) -> dict[str, object]:
     prompt = sum(o.prompt_tokens for o in loop.outcomes)
     output = sum(o.output_tokens for o in loop.outcomes)
     busy = max(loop.busy_s, 1e-9)
+    hits = arm.hit_tokens or {
+        "gpu": sum(o.gpu_hit_tokens for o in loop.outcomes),
+        "host": sum(o.host_hit_tokens for o in loop.outcomes),
+        "disk": sum(o.disk_hit_tokens for o in loop.outcomes),
+    }
     return {
         "name": arm.name,
         "requests": len(loop.outcomes),
@@ -46,16 +51,12 @@ def arm_summary(arm: ArmResult) -> dict[str, object]:
         "output_tokens": output,
         "prompt_tokens_per_s": round(prompt / busy, 1),
         "output_tokens_per_s": round(output / busy, 2),
-        "prefill_tokens_computed": sum(o.computed_tokens for o in loop.outcomes),
-        "hit_tokens": {
-            "gpu": sum(o.gpu_hit_tokens for o in loop.outcomes),
-            "host": sum(o.host_hit_tokens for o in loop.outcomes),
-            "disk": sum(o.disk_hit_tokens for o in loop.outcomes),
-        },
+        "prefill_tokens_computed": prompt - sum(hits.values()),
+        "hit_tokens": hits,
         "busy_s": round(loop.busy_s, 3),
-        "admit_s": round(loop.admit_s, 3),
-        "decode_s": round(loop.decode_s, 3),
-        "prefill_s": round(loop.prefill_s, 3),
+        "admit_s": _round(loop.admit_s),
+        "decode_s": _round(loop.decode_s),
+        "prefill_s": _round(loop.prefill_s),
         "span_s": round(loop.span_s, 3),
         "busy_fraction": round(loop.busy_s / loop.span_s, 3) if loop.span_s else None,
         "steps": loop.steps,
@@ -85,6 +86,14 @@ def compare(arms: Sequence[ArmResult]) -> dict[str, object]:
     return out
 
 
+def _params(count: object) -> str:
+    return f" ({count / 1e6:.1f}M parameters)" if isinstance(count, int) else ""
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
+
+
 def _ratio(value: object, base: object) -> float | None:
     if not isinstance(value, int | float) or not isinstance(base, int | float) or not base:
         return None
@@ -98,7 +107,7 @@ def print_text(summary: dict[str, object]) -> None:
         f"serving {s['source']}: {s['requests']} requests ({s['prompt_tokens']} prompt, "
         f"{s['output_tokens']} output tokens; a trace block is {s['block_tokens']} tokens); "
         f"an unbounded cache could supply {s['reusable_prompt_tokens']} prompt tokens",
-        f"engine: {s['model']} ({s['model_params'] / 1e6:.1f}M parameters) on {s['device']}, "
+        f"engine: {s['engine']}, {s['model']}{_params(s['model_params'])} on {s['device']}, "
         f"{s['max_running']} requests in flight at most, {s['step_tokens']}-token steps, "
         f"{s['chunk_tokens']}-token prefill chunks",
         f"tiers (blocks of {s['block_size']} tokens): GPU {sizes['gpu_blocks']} in every arm, "
