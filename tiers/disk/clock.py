@@ -49,17 +49,19 @@ class AccessClock:
         self._db = env.open_db(b"clock")
         self._order = order
         self._clock = clock
+        self._newest: float | None = None
+        """The newest sample's time, kept here so that stamping a block reads no database (a
+        sample rolled back with its transaction leaves an older one dating later blocks: a
+        looser bound, never a wrong one)."""
 
     def stamp(self, txn: lmdb.Transaction, seq: int) -> None:
         """Dates ``seq``, just issued in ``txn``, if the newest sample is ``RESOLUTION_S`` old
         (or from a clock set back); then prunes."""
         now = self._clock()
-        cursor = txn.cursor(db=self._db)
-        if cursor.last():
-            last = _time(cursor.value())
-            if last is not None and 0.0 <= now - last < RESOLUTION_S:
-                return
+        if self._newest is not None and 0.0 <= now - self._newest < RESOLUTION_S:
+            return
         txn.put(_SEQ.pack(seq), _TIME.pack(now), db=self._db)
+        self._newest = now
         self._prune(txn)
 
     def load(self, txn: lmdb.Transaction, next_seq: int) -> None:
@@ -72,6 +74,8 @@ class AccessClock:
         for key in stale:
             txn.delete(key, db=self._db)
         self._prune(txn)
+        cursor = txn.cursor(db=self._db)
+        self._newest = _time(cursor.value()) if cursor.last() else None
 
     def age_s(self, txn: lmdb.Transaction) -> float | None:
         """Seconds since the least recently used block was last used, an upper bound (see the
