@@ -197,9 +197,10 @@ class EngineProcess:
     # ---- what the engine offers ----
 
     def generate(
-        self, prompts: list[list[int]], max_tokens: int, timeout: float = CALL_TIMEOUT_S
+        self, prompts: list[list[int]], max_tokens: int | list[int], timeout: float = CALL_TIMEOUT_S
     ) -> list[list[int]]:
-        """Greedy completions of token-id prompts, in prompt order."""
+        """Greedy completions of token-id prompts, in prompt order; ``max_tokens`` is one
+        answer length for all, or one per prompt."""
         return self.call("generate", prompts, max_tokens, timeout=timeout)
 
     def metrics(self) -> dict[str, float]:
@@ -335,9 +336,13 @@ class _EngineHost:
 
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
-        outputs = self.llm.generate(inputs, self._params(max_tokens), use_tqdm=False)
+        if isinstance(max_tokens, int):
+            params = self._params(max_tokens)
+        else:
+            params = [self._params(n) for n in max_tokens]
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [list(output.outputs[0].token_ids) for output in outputs]
 
     def metrics(self) -> dict[str, float]:

@@ -96,6 +96,11 @@ ENGINE_SESSIONS = 2
 FAULT_AFTER_READS = 5
 """A fault hits once the pass has read this many blocks from the daemon (one request's
 prefix): the pass is under way, most of its requests still to come."""
+FAULT_HOLD_TOKENS = 160
+"""The answer length of a fault pass's first request. It is admitted at the pass's first step
+and keeps the pass open for this many decode steps, so a fault that lands once the pass has
+read its first blocks always lands in a pass still under way. With every answer 16 tokens
+long, a pass of hits could end (0.2 s) before the test saw its reads."""
 
 
 # ---------------------------------------------------------------- workloads
@@ -123,7 +128,13 @@ def ask(docs: list[list[int]], seed: int) -> list[list[int]]:
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]]
-    max_tokens: int
+    max_tokens: int | list[int]
+    """One answer length for every prompt, or one per prompt."""
+
+
+def held_open(prompts: list[list[int]], max_tokens: int) -> Workload:
+    """A fault pass: its first request answers at FAULT_HOLD_TOKENS, the rest at ``max_tokens``."""
+    return Workload(prompts, [FAULT_HOLD_TOKENS] + [max_tokens] * (len(prompts) - 1))
 
 
 WORKLOADS = {
@@ -136,11 +147,11 @@ WORKLOADS = {
     "restart": Workload(ask(DOCS, 4), 16),
     # Twice as many requests, so that a fault can land in the middle of a pass.
     "fault_normal": Workload(ask(DOCS * 2, 5), 16),
-    "fault_kill": Workload(ask(DOCS * 2, 6), 16),
+    "fault_kill": held_open(ask(DOCS * 2, 6), 16),
     "fault_after_kill": Workload(ask(DOCS[::-1] * 2, 7), 16),
     # Under a frozen daemon every request may wait out call deadlines: a shorter pass.
     "stop_normal": Workload(ask(DOCS, 10), 16),
-    "fault_stop": Workload(ask(DOCS, 8), 16),
+    "fault_stop": held_open(ask(DOCS, 8), 16),
     "fault_after_stop": Workload(ask(DOCS[::-1], 9), 16),
     # 16 requests that each grow to 15 blocks in a 40-block cache: preempted again and again.
     "preempt": Workload([tokens(3000, 2 * BLOCK) + tokens(3100 + i, 40) for i in range(16)], 360),
@@ -618,8 +629,9 @@ def test_daemon_killed_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     kvtier.daemon.kill(signal.SIGKILL)
     killed = kvtier.finish_pass("fault_kill", marks)
     print(
-        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, "
-        f"{killed.seconds:.1f} s with the daemon killed once it had read {FAULT_AFTER_READS} blocks"
+        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally; {killed.seconds:.1f} s with the "
+        f"daemon killed once it had read {FAULT_AFTER_READS} blocks (and a first answer "
+        f"{FAULT_HOLD_TOKENS} tokens long)"
     )
     assert_identical(f"{kvtier.name} fault_kill", killed.outputs, baseline["fault_kill"])
 
@@ -645,8 +657,9 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     finally:
         kvtier.daemon.proc.send_signal(signal.SIGCONT)
     print(
-        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally, {frozen_s:.1f} s with the daemon "
-        f"frozen (SIGSTOP) once it had read {FAULT_AFTER_READS} blocks"
+        f"[{kvtier.name}] pass {normal.seconds:.1f} s normally; {frozen_s:.1f} s with the daemon "
+        f"frozen (SIGSTOP) once it had read {FAULT_AFTER_READS} blocks (and a first answer "
+        f"{FAULT_HOLD_TOKENS} tokens long)"
     )
     assert_identical(f"{kvtier.name} fault_stop", outputs, baseline["fault_stop"])
 

@@ -22,6 +22,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
 
 from kvtier.tiers.counters import TierCounters
@@ -29,8 +30,10 @@ from kvtier.tiers.hashing import HASH_VERSION
 from kvtier.tiers.remote.backend import RemoteBackend
 from kvtier.tiers.remote.format import MAX_META_BYTES, key_prefix, value_size
 from kvtier.tiers.remote.mooncake import MooncakeBackend, MooncakeOptions
-from kvtier.tiers.remote.redis import RedisClusterBackend, RedisOptions, RedisStandalone
 from kvtier.tiers.remote.tier import RemoteSettings, RemoteTier
+
+if TYPE_CHECKING:
+    from kvtier.tiers.remote.redis import RedisOptions
 
 PASSWORD_ENV = "KVTIER_REMOTE_PASSWORD"
 REDIS_PORT = 6379
@@ -177,6 +180,10 @@ def _host(text: str, default_port: int, shown: str) -> tuple[str, int]:
 
 
 def _redis_options(config: RemoteConfig, endpoint: Endpoint) -> RedisOptions:
+    # redis-py is imported only where a Redis store is configured: its import is about 0.4 s
+    # of every daemon start, and a daemon restarting under live engines serves nobody meanwhile.
+    from kvtier.tiers.remote.redis import RedisOptions
+
     return RedisOptions(
         username=endpoint.username,
         password=config.password(),
@@ -192,11 +199,15 @@ def _redis_options(config: RemoteConfig, endpoint: Endpoint) -> RedisOptions:
 
 
 def _open_redis(config: RemoteConfig, endpoint: Endpoint, _: int) -> RemoteBackend:
+    from kvtier.tiers.remote.redis import RedisStandalone
+
     (host, port), options = endpoint.hosts[0], _redis_options(config, endpoint)
     return RedisStandalone(host, port, endpoint.db, options)
 
 
 def _open_cluster(config: RemoteConfig, endpoint: Endpoint, _: int) -> RemoteBackend:
+    from kvtier.tiers.remote.redis import RedisClusterBackend
+
     return RedisClusterBackend(endpoint.hosts, _redis_options(config, endpoint))
 
 
