@@ -6,12 +6,34 @@ from __future__ import annotations
 
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import pytest
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
 
 TIMEOUT_S = 0.5
+WITHOUT_SLOT_OPS = (
+    "import runpy, sys; "
+    "from kvtier.service.rpc.servicer import KvTierServicer; "
+    "del KvTierServicer.SlotOps; "
+    "sys.argv[0] = 'kvtier.service.serve'; "
+    "runpy.run_module('kvtier.service.serve', run_name='__main__')"
+)
+"""``python -c WITHOUT_SLOT_OPS ARGS…``: the daemon as a build from before ``SlotOps``
+serves it: the generated servicer's own SlotOps answers UNIMPLEMENTED."""
+
+
+@dataclass
+class DaemonWithoutSlotOps(Daemon):
+    """A real daemon, less its ``SlotOps`` stream: what an engine upgraded before its node's
+    daemon talks to."""
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        at = cmd.index("-m")
+        return [*cmd[:at], "-c", WITHOUT_SLOT_OPS, *cmd[at + 2 :]]
 
 
 @pytest.fixture
@@ -91,3 +113,28 @@ def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_
     assert held(daemon) == (0, 0)
     assert not client.breaker.is_open
     client.close()
+
+
+def test_a_daemon_without_slot_ops_is_called_unary_and_nothing_fails():
+    daemon = DaemonWithoutSlotOps(host_bytes=64 * BLOCK_BYTES).start()
+    try:
+        with daemon.client(slot_stream=True) as client:
+
+            def store_and_load(worker: int) -> list[bytes]:
+                hashes = [block_hash(f"old-daemon-{worker}", i) for i in range(4)]
+                assert store(client, hashes) == hashes
+                return load(client, hashes)
+
+            # Four threads at once: the operations queued on the first stream all come back
+            # UNIMPLEMENTED and are sent again unary, none counted as a failure.
+            with ThreadPoolExecutor(4) as pool:
+                loaded = list(pool.map(store_and_load, range(4)))
+            assert all(len(hashes) == 4 for hashes in loaded)
+            assert client.settle(30)
+            assert not client.slot_calls.streaming
+            assert client.slot_calls.streams_opened == 1
+            assert (client.failures, client.breaker.trips, client.sessions_opened) == (0, 0, 1)
+            assert held(daemon) == (0, 0)
+        assert daemon.stop() == 0, daemon.log.read_text()
+    finally:
+        daemon.cleanup()

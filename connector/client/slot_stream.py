@@ -11,7 +11,8 @@ The stream serves one session. A call for the live session finds its stream open
 it (ending the stream of an earlier session); a call for any other session goes unary. When
 the stream breaks, every operation waiting on it fails with the stream's status, as a call
 cut off that way would, and calls go unary until a new stream opens ``stream_retry_s`` later;
-a daemon that has no ``SlotOps`` is called unary for good.
+a daemon that has no ``SlotOps`` (a build from before it) ran none of the operations its stream
+carried: each goes again as its own unary call, and that client calls unary for good.
 A waiting caller keeps its deadline (``call``); an operation sent without waiting (``future``)
 waits for its answer or for the stream's end, and ``LaterCalls.settle`` bounds how long
 anything waits on it.
@@ -25,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import grpc
 
@@ -115,29 +117,45 @@ class OpFuture:
             callback(self)
 
 
+class _Op(NamedTuple):
+    """An operation on the stream, waiting for its answer."""
+
+    future: OpFuture
+    method: str
+    request: object
+    timeout: float
+    """What its unary call would be given, should it have to go as one."""
+
+
 class _Stream:
     """One open ``SlotOps`` stream, bound to ``session``."""
 
     def __init__(self, stub: pb_grpc.KvTierStub, session: str, metadata):
         self.session = session
         self.broken: grpc.RpcError | None = None
+        self._stub = stub
+        self._metadata = metadata
         self._closed = False
-        self._pending: dict[int, tuple[OpFuture, str]] = {}
+        self._pending: dict[int, _Op] = {}
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[pb.SlotOp | None] = queue.SimpleQueue()
         self._responses = stub.SlotOps(self._batches(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="kvtier-slot-ops", daemon=True)
         self._reader.start()
 
-    def put(self, op_id: int, method: str, op: pb.SlotOp) -> OpFuture | None:
+    def unimplemented(self) -> bool:
+        """Whether the daemon has no ``SlotOps``."""
+        return self.broken is not None and self.broken.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def put(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
         """Queues an operation; None if the stream is broken (the caller goes unary)."""
-        future = OpFuture()
+        op = _Op(OpFuture(), method, request, timeout)
         with self._lock:
             if self.broken is not None:
                 return None
-            self._pending[op_id] = (future, method)
-        self._queue.put(op)
-        return future
+            self._pending[op_id] = op
+        self._queue.put(pb.SlotOp(op_id=op_id, **{_OP_FIELDS[method][0]: request}))
+        return op.future
 
     def forget(self, op_id: int) -> None:
         """Stops waiting for an operation (its caller's deadline passed)."""
@@ -178,17 +196,40 @@ class _Stream:
                     with self._lock:
                         waiting = self._pending.pop(result.op_id, None)
                     if waiting is not None:
-                        _answer(result, *waiting)
+                        _answer(result, waiting.future, waiting.method)
             error = StreamError(grpc.StatusCode.UNAVAILABLE, "SlotOps stream ended")
         except grpc.RpcError as exc:
             error = StreamError(exc.code(), exc.details() or "SlotOps stream broke")
         with self._lock:
             self.broken = error
             pending, self._pending = self._pending, {}
+        if self.unimplemented():
+            for op in pending.values():
+                self._send_unary(op)
+            return
         if pending:
             log.debug("kvtier SlotOps stream broke (%s); %d operations fail", error, len(pending))
-        for future, _ in pending.values():
-            future.finish(error=error, cancelled=self._closed)
+        for op in pending.values():
+            op.future.finish(error=error, cancelled=self._closed)
+
+    def _send_unary(self, op: _Op) -> None:
+        """Sends an operation the daemon never ran as its own call; its answer is the op's."""
+        call = getattr(self._stub, op.method).future(
+            op.request, timeout=op.timeout, metadata=self._metadata
+        )
+
+        def answered(call: grpc.Future) -> None:
+            if call.cancelled():
+                op.future.finish(
+                    error=StreamError(grpc.StatusCode.CANCELLED, f"{op.method} cancelled"),
+                    cancelled=True,
+                )
+            elif call.exception() is not None:
+                op.future.finish(error=call.exception())
+            else:
+                op.future.finish(call.result())
+
+        call.add_done_callback(answered)
 
 
 def _answer(result: pb.SlotResult, future: OpFuture, method: str) -> None:
@@ -229,7 +270,7 @@ class SlotCalls:
     def call(self, method: str, request, timeout: float):
         """Sends one operation and waits up to ``timeout`` for its reply."""
         op_id = next(self._ids)
-        stream, future = self._put(op_id, method, request)
+        stream, future = self._put(op_id, method, request, timeout)
         if future is None:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         try:
@@ -239,16 +280,10 @@ class SlotCalls:
             raise StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} missed its deadline"
             ) from None
-        except StreamError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # A daemon without SlotOps never ran the operation: unary from now on.
-            self.streaming = False
-            return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
 
     def future(self, method: str, request, timeout: float):
         """Sends one operation without waiting; ``timeout`` bounds a unary call only."""
-        _, future = self._put(next(self._ids), method, request)
+        _, future = self._put(next(self._ids), method, request, timeout)
         if future is None:
             return getattr(self._stub, method).future(
                 request, timeout=timeout, metadata=self._metadata
@@ -262,14 +297,15 @@ class SlotCalls:
         if stream is not None:
             stream.close()
 
-    def _put(self, op_id: int, method: str, request) -> tuple[_Stream | None, OpFuture | None]:
+    def _put(
+        self, op_id: int, method: str, request, timeout: float
+    ) -> tuple[_Stream | None, OpFuture | None]:
         if not self.streaming:
             return None, None
         stream = self._stream_for(request.session_id)
         if stream is None:
             return None, None
-        field = _OP_FIELDS[method][0]
-        future = stream.put(op_id, method, pb.SlotOp(op_id=op_id, **{field: request}))
+        future = stream.put(op_id, method, request, timeout)
         if future is None:
             self.fallbacks += 1
         else:
@@ -284,6 +320,9 @@ class SlotCalls:
             stream = self._stream
             if stream is not None and stream.session == session and stream.broken is None:
                 return stream
+            if stream is not None and stream.unimplemented():
+                self.streaming = False  # a daemon from before SlotOps: unary for good
+                return None
             now = time.monotonic()
             if stream is not None and stream.broken is not None and stream.session == session:
                 if not self._retry_at:
