@@ -96,7 +96,7 @@ ENGINE_SESSIONS = 2
 FAULT_AFTER_READS = 5
 """A fault hits once the pass has read this many blocks from the daemon (one request's
 prefix): the pass is under way, most of its requests still to come."""
-FAULT_HOLD_TOKENS = 160
+FAULT_HOLD_TOKENS = 256
 """The answer length of a fault pass's first request. It is admitted at the pass's first step
 and keeps the pass open for this many decode steps, so a fault that lands once the pass has
 read its first blocks always lands in a pass still under way. With every answer 16 tokens
