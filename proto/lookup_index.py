@@ -71,13 +71,18 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
 
 
 class _Table:
-    """Views of a mapped table: each record's hash as two 64-bit words, and its tier bits."""
+    """Views of a mapped table: each record's hash as two 64-bit words and as one 16-byte
+    string (compared whole in one step: numpy's fixed-width bytes compare exactly, and an
+    empty record is ``b""``), and its tier bits."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
         records = records.reshape(capacity, RECORD_BYTES)
         self.keys = records[:, :HASH_BYTES]
         self.words = np.frombuffer(mapped, np.uint64, capacity * 4, HEADER_BYTES).reshape(-1, 4)
+        self.hashes = np.ndarray(
+            (capacity,), f"S{HASH_BYTES}", mapped, HEADER_BYTES, (RECORD_BYTES,)
+        )
         self.tiers = records[:, _TIERS_AT]
         self.capacity = capacity
 
@@ -215,19 +220,18 @@ class LookupIndexReader:
         if len(packed) % HASH_BYTES:
             raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
         table = self._table
-        want = np.frombuffer(packed, np.uint64).reshape(-1, 2)
+        want = np.frombuffer(packed, f"S{HASH_BYTES}")
         bits = np.zeros(len(want), np.uint8)
+        record = _buckets(np.frombuffer(packed, np.uint64).reshape(-1, 2), table.capacity)
         pending = np.arange(len(want))
-        record = _buckets(want, table.capacity)
         for _ in range(MAX_PROBES):
+            at = record[pending]
+            found = table.hashes[at]
+            same = found == want[pending]
+            bits[pending[same]] = table.tiers[at[same]]
+            pending = pending[~same & (found != b"")]
             if not len(pending):
                 break
-            at = record[pending]
-            found = table.words[at, :2]
-            same = (found == want[pending]).all(axis=1)
-            empty = (found == 0).all(axis=1)
-            bits[pending[same]] = table.tiers[at[same]]
-            pending = pending[~same & ~empty]
             record[pending] = (record[pending] + 1) & (table.capacity - 1)
         return bits
 

@@ -133,3 +133,33 @@ def test_hashes_alike_in_their_first_bytes_still_spread(tmp_path):
         assert reader.probe(alike).tolist() == [HOST] * len(alike)
     finally:
         writer.close()
+
+
+def test_a_lookup_the_index_answers_still_reaches_the_daemon():
+    """The probe answers at once; the call that follows unwaited is what the daemon counts
+    (a miss too), and it holds the host hits for the acquire as a waited-for call would."""
+    daemon = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    try:
+        client = daemon.client(lookup_index=True)
+        tokens = client.block_tokens
+        held = [block_hash("probed", i) for i in range(4)]
+        assert store(client, held) == held
+        reader = LookupIndexReader(index_path(daemon.socket, SIGNATURE))
+        wait_until(lambda: reader.probe(held).all(), "the commit to be published")
+
+        def host_tokens() -> tuple[int, int]:
+            tier = next(t for t in daemon.stats().tiers if t.tier == "host")
+            return tier.query_tokens, tier.hit_tokens
+
+        asked, hit = host_tokens()
+        never = [block_hash("never-stored", i) for i in range(3)]
+        assert client.lookup(never).total == 0
+        assert client.lookup([*held, never[0]]).host == len(held)
+        assert client._lookups.probed == 2
+        want = (asked + (3 + 5) * tokens, hit + 4 * tokens)
+        wait_until(lambda: host_tokens() == want, "the daemon to count both lookups")
+        wait_until(lambda: daemon.stats().layouts[0].held_slots == len(held), "the hold")
+        client.close()
+    finally:
+        daemon.stop()
+        daemon.cleanup()

@@ -61,9 +61,9 @@ class DaemonClient:
     chunks of at most ``chunk_bytes``. ``map_arena=False`` skips mapping the shared arena, for
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
-    handed over to another's acquire. ``lookup_index=True`` probes the daemon's shared-memory
-    index first and calls only where it cannot answer (``lookups``); off by default until the
-    daemon's hit statistics count what probes answer. ``slot_stream=False``: slot calls unary.
+    handed over to another's acquire. ``lookup_index=True`` answers lookups from the daemon's
+    shared-memory index where it can, without waiting for a call (``lookups``).
+    ``slot_stream=False``: slot calls unary.
     """
 
     def __init__(

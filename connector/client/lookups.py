@@ -5,9 +5,12 @@ The index (``proto.lookup_index``) says which hashes the layout's host and disk 
 probe answers a lookup in microseconds without waking the daemon. Its answer is a hint, as a
 call's is: the acquire that follows names hashes and the daemon resolves them again. The call
 is still made where the probe cannot answer: no index (a client on another host, a daemon not
-publishing one), or a miss where a remote tier lies below (the index does not cover it). Where
-the daemon holds a lookup's host hits for the acquire (``lookup_hold_s``), a probe that found
-host hits also sends the call, without waiting for it, so that those hits are held as before.
+publishing one), or a miss where a remote tier lies below (the index does not cover it).
+
+A lookup the index answered still reaches the daemon, as a call nobody waits for: the daemon
+counts it in its per-tier hit statistics, its host tier marks the hits recently used, its
+admission policy sees the hashes looked up, and it holds the host hits for the acquire
+(``lookup_hold_s``), all as before. Only the caller no longer waits for the call.
 """
 
 from __future__ import annotations
@@ -67,9 +70,8 @@ class LookupCalls:
             self._call(session, hashes, 0, LowerHits(), result)
             return result
         self.probed += 1
-        if hits.host and self._keeper.limits.lookup_hold_s > 0:
-            self._call(session, hashes[: hits.host + hits.disk], 0, LowerHits(), Future())
         result.set_result(hits)
+        self._call(session, hashes, 0, LowerHits(), Future())
         return result
 
     def end(self) -> None:

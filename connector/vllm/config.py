@@ -47,6 +47,10 @@ class KVTierConfig:
     connect_wait_s: float = 5.0
     """How long start-up waits for the first daemon session (0: do not wait). Without a
     session every lookup is a miss; the client keeps reconnecting in the background."""
+    lookup_index: bool = True
+    """Answer the scheduler's lookups from the daemon's shared-memory index (a memory read)
+    where the daemon is on this host; the lookup still reaches the daemon, as a call the
+    scheduler does not wait for. ``false``: the scheduler waits for each ``Lookup`` call."""
     min_hit_blocks: int = 1
     """Fewest blocks worth loading; shorter hits are recomputed."""
     load_gate: bool = False
@@ -95,10 +99,17 @@ class KVTierConfig:
         return Path(self.token_file).read_text().strip()
 
     def client(
-        self, layout: KVLayout, name: str, *, map_arena: bool = True, engine_group: str = ""
+        self,
+        layout: KVLayout,
+        name: str,
+        *,
+        map_arena: bool = True,
+        engine_group: str = "",
+        lookup_index: bool = False,
     ) -> DaemonClient:
         """A daemon client for one connector role, with this config's endpoint and deadlines;
-        the roles of one engine name the same ``engine_group``."""
+        the roles of one engine name the same ``engine_group``. ``lookup_index``: this role
+        looks up (the scheduler), and the config lets it probe the index."""
         return DaemonClient(
             layout.signature,
             layout.block_bytes,
@@ -109,6 +120,7 @@ class KVTierConfig:
             timeout_s=self.timeout_s,
             map_arena=map_arena,
             engine_group=engine_group,
+            lookup_index=lookup_index and self.lookup_index,
         )
 
 

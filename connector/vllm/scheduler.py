@@ -88,7 +88,11 @@ class SchedulerSide:
             for layout in group.shard_layouts():
                 if layout.signature not in self.clients:
                     self.clients[layout.signature] = config.client(
-                        layout, "vllm-scheduler", map_arena=False, engine_group=engine_group
+                        layout,
+                        "vllm-scheduler",
+                        map_arena=False,
+                        engine_group=engine_group,
+                        lookup_index=True,
                     )
         self.client = self.clients[groups[0].layout.signature]
         self.pins = RequestPins(groups, self.clients)
