@@ -633,7 +633,8 @@ def test_lookup_never_blocks_the_scheduler(make_engine, daemon) -> None:
     shared = prompt(36, 4 * BLOCK)
     first.add([*shared, 1], "a")
     first.run()
-    second = make_engine(timeout_s=60)
+    # The lookup goes as a call (as it does to a daemon on another host): no index probe.
+    second = make_engine(timeout_s=60, lookup_index=False)
     daemon.proc.send_signal(signal.SIGSTOP)
     try:
         request = second.add([*shared, 2], "b")

@@ -8,8 +8,9 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   stored blocks, a 4-block load and a 4-block store. ``lookup_p50_us``/``lookup_p99_us`` time
   its lookups, ``slot_op_p50_us``/``slot_op_p99_us`` its Reserve+Commit and Acquire+Release
   pairs (copies left out), ``block_ops_per_s`` the blocks its answered calls named per second
-  (``mix.mix_figures`` defines it); ``--lookup-index`` lets the clients probe the daemon's
-  lookup index first (the connector does not yet);
+  (``mix.mix_figures`` defines it); the clients probe the daemon's lookup index and send the
+  Lookup unwaited, as the connector's scheduler does (``--no-lookup-index``: every Lookup a
+  call the client waits for);
 * ``store_control_us``: one client's ``--batch``-block store, its time beyond the copies
   (the Reserve and Commit calls), median of ``--rounds``;
 * ``--lookup-clients`` processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes
@@ -96,7 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seconds", type=float, default=20.0, help="how long the mix runs")
     parser.add_argument(
-        "--lookup-index", action="store_true", help="mix clients probe the lookup index first"
+        "--lookup-index",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mix clients probe the lookup index, as the connector's scheduler does",
     )
     parser.add_argument(
         "--lookup-clients", type=int, default=2, help="back-to-back lookup client processes"

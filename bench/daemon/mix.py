@@ -45,7 +45,7 @@ class MixPlan:
     seconds: float
     """How long each client keeps its schedule."""
     lookup_index: bool
-    """Whether clients probe the daemon's lookup index before calling (the connector doesn't)."""
+    """Whether clients probe the daemon's lookup index (as the connector's scheduler does)."""
 
 
 @dataclass
