@@ -62,8 +62,7 @@ class DaemonClient:
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
     handed over to another's acquire. ``lookup_index=True`` answers lookups from the daemon's
-    shared-memory index where it can, without waiting for a call (``lookups``).
-    ``slot_stream=False``: slot calls unary.
+    shared-memory index (``lookups``). ``slot_stream=False``: slot calls unary.
     """
 
     def __init__(
@@ -209,6 +208,7 @@ class DaemonClient:
     def close(self) -> None:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
         leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
+        self._lookups.close()
         self._keeper.close()
         self.slot_calls.close()
         self._channel.close()

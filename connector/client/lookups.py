@@ -10,11 +10,14 @@ publishing one), or a miss where a remote tier lies below (the index does not co
 A lookup the index answered still reaches the daemon, as a call nobody waits for: the daemon
 counts it in its per-tier hit statistics, its host tier marks the hits recently used, its
 admission policy sees the hashes looked up, and it holds the host hits for the acquire
-(``lookup_hold_s``), all as before. Only the caller no longer waits for the call.
+(``lookup_hold_s``), all as before. Only the caller no longer waits for the call, nor sends
+it: a thread of the client's does (sending a 1,000-hash call costs the sender about 0.2 ms,
+four times the probe).
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -59,6 +62,9 @@ class LookupCalls:
         self._calls: set[grpc.Future] = set()  # Lookup calls not answered yet
         self._index: LookupIndexReader | None = None
         self._index_session: str | None = None
+        self._notices: queue.SimpleQueue[tuple[str, list[BlockHash]] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._closed = False
         self.probed = 0
         """Lookups the index answered without a call."""
 
@@ -71,8 +77,32 @@ class LookupCalls:
             return result
         self.probed += 1
         result.set_result(hits)
-        self._call(session, hashes, 0, LowerHits(), Future())
+        self._notify(session, hashes)
         return result
+
+    def close(self) -> None:
+        """Stops the sender of probed lookups' calls, once it has sent what was queued."""
+        with self._lock:
+            sender, self._sender, self._closed = self._sender, None, True
+        if sender is not None:
+            self._notices.put(None)
+            sender.join()
+
+    def _notify(self, session: str, hashes: list[BlockHash]) -> None:
+        """Queues the call of a lookup the index answered, for the sender thread."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_notices, name="kvtier-lookup-calls", daemon=True
+                )
+                self._sender.start()
+        self._notices.put((session, hashes))
+
+    def _send_notices(self) -> None:
+        while (notice := self._notices.get()) is not None:
+            self._call(*notice, 0, LowerHits(), Future())
 
     def end(self) -> None:
         """The breaker opened: lookups still waiting are misses now, not at their deadline
