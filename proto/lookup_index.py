@@ -12,10 +12,16 @@ reader ever sees one record change from one hash to another. The writer publishe
 hash before its bits, and a reader trusts bits only under a matching hash. When the table
 fills (live and cleared records together), the writer builds a new file, renames it over the
 old name and marks the old one ``RETIRED``; a reader that sees the mark maps the new one.
+
+A daemon that dies without retiring its index (killed) leaves the file as it was: the writer
+holds an exclusive ``flock`` on the file it publishes, which the kernel lets go with the
+process, and a reader that can take the lock itself knows nobody keeps the index any more and
+answers no probe from it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
@@ -97,6 +103,8 @@ class LookupIndexWriter:
         self._generation = 0
         self._slots: dict[bytes, int] = {}
         self._map: mmap.mmap | None = None
+        self._fd: int | None = None
+        """The published file, open and locked for as long as this writer keeps it."""
         for left in self.path.parent.glob(f"{self.path.name}.*"):
             left.unlink(missing_ok=True)  # a table a dead daemon was building
         self._build(_capacity_for(blocks), {})
@@ -108,10 +116,12 @@ class LookupIndexWriter:
         fresh = self.path.with_name(f"{self.path.name}.{os.getpid()}.{self._generation}")
         fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         mapped[:HEADER_BYTES] = HEADER.pack(
             MAGIC, capacity, self._generation, 0, int(self.has_remote)
         ).ljust(HEADER_BYTES, b"\0")
@@ -124,6 +134,9 @@ class LookupIndexWriter:
         os.replace(fresh, self.path)
         if old_map is not None:
             old_map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
 
     def _insert(self, key: bytes) -> int:
         """Writes ``key`` into the first never-used record from its home; returns the record."""
@@ -174,36 +187,40 @@ class LookupIndexWriter:
             self._table = None
             self._map = None
             self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None
 
 
 class LookupIndexReader:
     """A client's read-only view. ``probe`` returns None when there is no usable index (none
-    published, or retired and not yet replaced): the caller then asks the daemon."""
+    published, retired and not yet replaced, or its writer dead): the caller then asks the
+    daemon."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
+        self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._table: _Table | None = None
         self.has_remote = False
 
     def _mapped(self) -> bool:
-        if self._map is not None and not self._retired():
+        if self._map is not None and not self._retired() and self._kept():
             return True
         self.close()
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return False
-        try:
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
-                return False
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
+        self._fd = fd
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES or not self._kept():
+            self.close()
+            return False
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         magic, capacity, _, retired, has_remote = HEADER.unpack_from(mapped)
         if magic != MAGIC or retired or size < HEADER_BYTES + capacity * RECORD_BYTES:
             mapped.close()
+            self.close()
             return False
         self._map, self.has_remote = mapped, bool(has_remote)
         self._table = _Table(mapped, capacity)
@@ -211,6 +228,15 @@ class LookupIndexReader:
 
     def _retired(self) -> bool:
         return struct.unpack_from("<I", self._map, _RETIRED_AT)[0] != 0
+
+    def _kept(self) -> bool:
+        """Whether a live writer still holds the file (its lock is one we cannot take)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
 
     def probe(self, hashes: Sequence[bytes] | Iterable[bytes]) -> np.ndarray | None:
         """Each hash's tier bits (0: neither tier holds it), or None without an index."""
@@ -238,3 +264,6 @@ class LookupIndexReader:
     def close(self) -> None:
         self._table = None
         self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -163,3 +163,22 @@ def test_a_lookup_the_index_answers_still_reaches_the_daemon():
     finally:
         daemon.stop()
         daemon.cleanup()
+
+
+def test_a_killed_daemons_index_answers_no_probe():
+    """SIGKILL leaves the file unretired; the writer's lock went with the process, so a probe
+    answers None (ask the daemon) instead of the hits a dead daemon can no longer hand out."""
+    daemon = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    try:
+        client = daemon.client()
+        held = [block_hash("killed", i) for i in range(4)]
+        assert store(client, held) == held
+        reader = LookupIndexReader(index_path(daemon.socket, SIGNATURE))
+        wait_until(lambda: reader.probe(held).tolist() == [HOST | DISK] * 4, "written down")
+        daemon.kill()
+        assert index_path(daemon.socket, SIGNATURE).exists()
+        assert reader.probe(held) is None
+        assert LookupIndexReader(index_path(daemon.socket, SIGNATURE)).probe(held) is None
+        client.close()
+    finally:
+        daemon.cleanup()

@@ -87,6 +87,8 @@ class LookupCalls:
         if sender is not None:
             self._notices.put(None)
             sender.join()
+        if self._index is not None:
+            self._index.close()
 
     def _notify(self, session: str, hashes: list[BlockHash]) -> None:
         """Queues the call of a lookup the index answered, for the sender thread."""
@@ -118,6 +120,8 @@ class LookupCalls:
             return None
         if self._index_session != session:
             # a new session may be a new daemon with a new index at the same path
+            if self._index is not None:
+                self._index.close()
             self._index = LookupIndexReader(index_path(self._socket, self._signature))
             self._index_session = session
         bits = self._index.probe(hashes) if self._index is not None else None
