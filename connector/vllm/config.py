@@ -108,8 +108,8 @@ class KVTierConfig:
         lookup_index: bool = False,
     ) -> DaemonClient:
         """A daemon client for one connector role, with this config's endpoint and deadlines;
-        the roles of one engine name the same ``engine_group``. ``lookup_index``: this role
-        looks up (the scheduler), and the config lets it probe the index."""
+        the roles of one engine name the same ``engine_group``; ``lookup_index``: the client
+        probes the daemon's lookup index (the scheduler's, where the config says so)."""
         return DaemonClient(
             layout.signature,
             layout.block_bytes,
@@ -120,7 +120,7 @@ class KVTierConfig:
             timeout_s=self.timeout_s,
             map_arena=map_arena,
             engine_group=engine_group,
-            lookup_index=lookup_index and self.lookup_index,
+            lookup_index=lookup_index,
         )
 
 

@@ -92,7 +92,7 @@ class SchedulerSide:
                         "vllm-scheduler",
                         map_arena=False,
                         engine_group=engine_group,
-                        lookup_index=True,
+                        lookup_index=config.lookup_index,
                     )
         self.client = self.clients[groups[0].layout.signature]
         self.pins = RequestPins(groups, self.clients)
