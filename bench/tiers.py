@@ -4,6 +4,8 @@ Blocks are 2 MiB (Llama-3-8B's KV for 16 tokens in fp16). In one run it measures
 raw O_DIRECT disk bandwidth on the disk tier's own directory, then the host tier's store and
 load paths (reserve → copy into slots → commit, acquire → copy out → release), the disk tier's
 writes (put + durable flush) and cold reads (page cache dropped first), and hashing speed.
+The tiers run under the daemon's GIL switch interval (``TierTunables.switch_interval_s``), as
+they do in the daemon: the disk tier's threads lose whole device writes to Python's default.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 
@@ -24,6 +27,7 @@ from kvtier.tiers.gpu.pinned import allocate_host
 from kvtier.tiers.hashing import Namespace, hash_prompt
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.layout import KVLayout
+from kvtier.tiers.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +113,13 @@ def measure(blocks: int, directory: str) -> dict[str, float]:
     data = torch.randint(0, 256, (blocks, LAYOUT.block_bytes), dtype=torch.uint8)
     memcpy = memcpy_gbps()
     raw_write, raw_read, how = raw_disk_gbps(directory, blocks * LAYOUT.block_bytes)
-    host_store, host_load = host_rates(data)
-    disk_write, disk_read = disk_rates(directory, data)
+    own_interval = sys.getswitchinterval()
+    sys.setswitchinterval(TUNABLES.switch_interval_s)
+    try:
+        host_store, host_load = host_rates(data)
+        disk_write, disk_read = disk_rates(directory, data)
+    finally:
+        sys.setswitchinterval(own_interval)
     result = {
         "memcpy_gbps": memcpy,
         "disk_raw_write_gbps": raw_write,

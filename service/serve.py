@@ -53,6 +53,7 @@ from kvtier.service.rpc.servicer import KvTierServicer
 from kvtier.service.stats.http import StatsServer
 from kvtier.service.stats.metrics import Metrics
 from kvtier.service.store import BlockStore
+from kvtier.tiers.tunables import TUNABLES as TIER_TUNABLES
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # Heavy calls (a 65k-hash Lookup) run on worker threads in Python; the event loop must get
     # the GIL back from them within 0.5 ms, not the default 5 ms, or every small call waiting
-    # behind one pays it (``kvtier bench daemon``'s small_lookup_p99_ms shows it).
-    sys.setswitchinterval(0.0005)
+    # behind one pays it (``kvtier bench daemon``'s small_lookup_p99_ms shows it). The disk
+    # tier's threads need it as much (``TierTunables.switch_interval_s``).
+    sys.setswitchinterval(TIER_TUNABLES.switch_interval_s)
     try:
         config = flags.from_args(args)
         asyncio.run(serve(config))

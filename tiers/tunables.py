@@ -12,6 +12,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TierTunables:
+    switch_interval_s: float = 0.0005
+    """The GIL switch interval of a process that runs the tiers: the daemon sets it, and so
+    does ``kvtier bench tiers``, which measures the tiers as the daemon runs them. The disk
+    tier's writer and I/O threads make many short calls that let the GIL go (LMDB, checksums
+    between writes) while a caller's thread copies blocks in; under Python's default of 5 ms
+    each of those threads waits up to that for the GIL back every time, and the device idles
+    (a burst of 256 puts on the 2-core VM: 1.05-1.1 GB/s at 5 ms, 1.5-1.7 at 0.5 ms)."""
+
     promote_wait_s: float = 0.25
     """Most a promotion waits for a host slot to come free when every slot is in use: reads,
     writes behind and reservations end within milliseconds, and a hit the engine was promised
