@@ -46,6 +46,13 @@ MIN_CAPACITY = 1024
 MAX_PROBES = 64
 """A probe that walks this far finds the table badly clustered: it answers a miss."""
 _RETIRED_AT = 24
+_EMPTY = bytes(HASH_BYTES)
+"""A never-used record's hash."""
+
+
+def _record_at(record: int) -> int:
+    """Where ``record`` starts in the file."""
+    return HEADER_BYTES + record * RECORD_BYTES
 
 
 def _capacity_for(blocks: int) -> int:
@@ -54,7 +61,8 @@ def _capacity_for(blocks: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, 4 * blocks - 1).bit_length())
 
 
-_MIX = np.uint64(0x9E37_79B9_7F4A_7C15)
+_MIX = 0x9E37_79B9_7F4A_7C15
+_WORD = (1 << 64) - 1
 
 
 def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
@@ -62,9 +70,20 @@ def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
     multiplicative hash, so that hashes alike in either word (a test's, a caller's own) still
     spread over the table instead of clustering into long probes."""
     shift = np.uint64(64 - (capacity.bit_length() - 1))
+    mix = np.uint64(_MIX)
     with np.errstate(over="ignore"):
-        mixed = (words[:, 0] ^ (words[:, 1] * _MIX)) * _MIX
+        mixed = (words[:, 0] ^ (words[:, 1] * mix)) * mix
     return (mixed >> shift).astype(np.int64) if capacity > 1 else np.zeros(len(words), np.int64)
+
+
+def _bucket(key: bytes, capacity: int) -> int:
+    """``_buckets`` of one hash, in plain integers: the writer places one hash at a time, and
+    numpy's per-call cost (about 10 µs for a one-row array) would be most of a commit's."""
+    if capacity <= 1:
+        return 0
+    low, high = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+    mixed = ((low ^ (high * _MIX & _WORD)) * _MIX) & _WORD
+    return mixed >> (64 - (capacity.bit_length() - 1))
 
 
 def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
@@ -77,15 +96,13 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
 
 
 class _Table:
-    """Views of a mapped table: each record's hash as two 64-bit words and as one 16-byte
-    string (compared whole in one step: numpy's fixed-width bytes compare exactly, and an
-    empty record is ``b""``), and its tier bits."""
+    """Views of a mapped table: each record's hash as one 16-byte string (compared whole in
+    one step: numpy's fixed-width bytes compare exactly, and an empty record is ``b""``), and
+    its tier bits."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
         records = records.reshape(capacity, RECORD_BYTES)
-        self.keys = records[:, :HASH_BYTES]
-        self.words = np.frombuffer(mapped, np.uint64, capacity * 4, HEADER_BYTES).reshape(-1, 4)
         self.hashes = np.ndarray(
             (capacity,), f"S{HASH_BYTES}", mapped, HEADER_BYTES, (RECORD_BYTES,)
         )
@@ -140,12 +157,13 @@ class LookupIndexWriter:
 
     def _insert(self, key: bytes) -> int:
         """Writes ``key`` into the first never-used record from its home; returns the record."""
-        table = self._table
-        record = int(_buckets(np.frombuffer(key, np.uint64).reshape(1, 2), table.capacity)[0])
-        mask = table.capacity - 1
-        while table.words[record, 0] or table.words[record, 1]:
-            record = (record + 1) & mask
-        table.keys[record] = np.frombuffer(key, np.uint8)
+        mapped, capacity = self._map, self._table.capacity
+        record = _bucket(key, capacity)
+        at = _record_at(record)
+        while mapped[at : at + HASH_BYTES] != _EMPTY:
+            record = (record + 1) & (capacity - 1)
+            at = _record_at(record)
+        mapped[at : at + HASH_BYTES] = key
         self._used += 1
         return record
 
@@ -170,8 +188,9 @@ class LookupIndexWriter:
                 if 2 * (self._used + 1) > self._table.capacity:
                     self._rebuild()
                 record = self._slots[block_hash] = self._insert(block_hash)
-            bits = int(self._table.tiers[record])
-            self._table.tiers[record] = bits | tier if held else bits & ~tier
+            at = _record_at(record) + _TIERS_AT
+            bits = self._map[at]
+            self._map[at] = bits | tier if held else bits & ~tier
 
     def _rebuild(self) -> None:
         tiers = self._table.tiers
