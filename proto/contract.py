@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import struct
 from pathlib import Path
 
 PROTOCOL_VERSION = 2
@@ -129,6 +130,16 @@ def default_socket(name: str = DEFAULT_NAME) -> Path:
 def unix_target(path: str | os.PathLike[str]) -> str:
     """The gRPC target string for a unix socket path."""
     return f"unix:{os.fspath(path)}"
+
+
+def slot_channel_path(socket: str | os.PathLike[str]) -> Path:
+    """The slot channel of the daemon listening on ``socket`` (``service.rpc.slot_channel``):
+    beside it, where only the daemon's user may enter."""
+    return Path(f"{os.path.abspath(os.fspath(socket))}.slots")
+
+
+FRAME = struct.Struct("<I")
+"""The length before each message of the slot channel."""
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:

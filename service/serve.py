@@ -50,6 +50,7 @@ from kvtier.service.rpc.auth import TokenInterceptor
 from kvtier.service.rpc.grpc_logs import limit_grpc_logs
 from kvtier.service.rpc.handlers import add_servicer
 from kvtier.service.rpc.servicer import KvTierServicer
+from kvtier.service.rpc.slot_channel import SlotChannelServer
 from kvtier.service.stats.http import StatsServer
 from kvtier.service.stats.metrics import Metrics
 from kvtier.service.store import BlockStore
@@ -151,7 +152,17 @@ async def _start(
     relay = RelayProcess(listener, private_dir, 2 * config.max_sessions + config.max_watchers)
     await relay.start()
     made.push_async_callback(relay.stop)
-    where = [f"grpc unix:{socket_path} (through a relay that knows each client's pid)"]
+    channel_path = contract.slot_channel_path(socket_path)
+    _prepare_socket(channel_path)
+    channel = SlotChannelServer(servicer, channel_path, servicer.client_pid)
+    made.push_async_callback(channel.close)
+    with _private_umask():
+        await channel.start()
+    made.callback(_remove_socket, channel_path, os.lstat(channel_path).st_ino)
+    where = [
+        f"grpc unix:{socket_path} (through a relay that knows each client's pid)",
+        f"slot channel {channel_path}",
+    ]
     if config.tcp:
         tcp = _server(servicer, health, TokenInterceptor(token))
         made.push_async_callback(tcp.stop, None)

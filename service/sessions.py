@@ -106,8 +106,7 @@ class SessionTable:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self.holds_refused: Counter[bytes] = Counter()
-        """Per layout, host hits a lookup answered but could not hold (the session's share
-        was full): the acquire may find them evicted and read them from disk."""
+        """Per layout, host hits a lookup could not hold (the session's share was full)."""
         self.holds_expired: Counter[bytes] = Counter()
         """Per layout, holds that reached their deadline before an acquire ended them."""
         self.holds_yielded: Counter[bytes] = Counter()
@@ -152,6 +151,11 @@ class SessionTable:
         """The live session, its lease renewed; ``SessionError`` if there is none."""
         with self._lock:
             return self._renew(session_id, peer)
+
+    def peer_of(self, session_id: str) -> str | None:
+        """The connection ``session_id`` is bound to; None if there is no such session."""
+        with self._lock:
+            return getattr(self._sessions.get(session_id), "peer", None)
 
     def close(self, session_id: str, peer: str = "") -> Leftovers:
         with self._lock:
@@ -361,8 +365,7 @@ class SessionTable:
             return session
 
     def held(self, layout: bytes | None = None) -> tuple[int, int, int, int]:
-        """(sessions, reserved, acquired, held by lookups) slot references, of one layout or
-        all."""
+        """(sessions, reserved, acquired, lookup-held) slot references, of one layout or all."""
         with self._lock:
             mine = [s for s in self._sessions.values() if layout is None or s.layout == layout]
             reserved = sum(len(s.reserved) for s in mine)

@@ -1,6 +1,6 @@
-"""The client's slot operations over its session's ``SlotOps`` stream: the same answers, the
-same deadline and breaker, and a stream that breaks costs the operations waiting on it only
-what their calls cut off would cost, then calls go unary until a new stream opens."""
+"""The client's slot operations over its session's slot channel or ``SlotOps`` stream: the same
+answers, the same deadline and breaker, and a stream that breaks costs the operations waiting
+on it only what their calls cut off would cost, then calls go unary until a new stream opens."""
 
 from __future__ import annotations
 
@@ -46,25 +46,41 @@ def daemon():
     d.cleanup()
 
 
+WAYS = ("channel", "stream")
+"""The slot channel (the default on this host) and the ``SlotOps`` stream (its fallback)."""
+
+
 def held(daemon: Daemon) -> tuple[int, int]:
     stats = daemon.stats()
     return stats.reserved_slots, stats.acquired_slots
 
 
-def test_stores_and_loads_go_over_the_stream(daemon):
-    with daemon.client(slot_stream=True) as client:
+def opened(client, way: str) -> int:
+    """Streams of ``way`` the client opened; none of the other way."""
+    calls = client.slot_calls
+    other = calls.streams_opened if way == "channel" else calls.channels_opened
+    assert other == 0
+    return calls.channels_opened if way == "channel" else calls.streams_opened
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_stores_and_loads_go_over_the_stream(daemon, way):
+    with daemon.client(slot_stream=True, slot_channel=way == "channel") as client:
         hashes = [block_hash("streamed", i) for i in range(8)]
         assert store(client, hashes) == hashes
         assert load(client, hashes) == hashes
         assert client.settle(30)
         assert client.slot_calls.streamed >= 4  # reserve, commit, acquire, release
-        assert client.slot_calls.streams_opened == 1
+        assert opened(client, way) == 1
         assert (client.failures, client.slot_calls.fallbacks) == (0, 0)
         assert held(daemon) == (0, 0)
 
 
-def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daemon):
-    client = daemon.client(slot_stream=True, timeout_s=TIMEOUT_S, lookup_index=False)
+@pytest.mark.parametrize("way", WAYS)
+def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daemon, way):
+    client = daemon.client(
+        slot_stream=True, slot_channel=way == "channel", timeout_s=TIMEOUT_S, lookup_index=False
+    )
     hashes = [block_hash("frozen", i) for i in range(4)]
     assert store(client, hashes) == hashes
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -83,8 +99,9 @@ def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daem
     client.close()
 
 
-def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_one(daemon):
-    client = daemon.client(slot_stream=True, timeout_s=60)
+@pytest.mark.parametrize("way", WAYS)
+def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_one(daemon, way):
+    client = daemon.client(slot_stream=True, slot_channel=way == "channel", timeout_s=60)
     hashes = [block_hash("broken", i) for i in range(4)]
     assert store(client, hashes) == hashes
     daemon.proc.send_signal(signal.SIGSTOP)
@@ -106,7 +123,7 @@ def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_
     assert client.slot_calls.fallbacks >= 1
     assert client.sessions_opened == 1
     wait_until(
-        lambda: load(client, hashes) == hashes and client.slot_calls.streams_opened == 2,
+        lambda: load(client, hashes) == hashes and opened(client, way) == 2,
         "a new stream to open",
     )
     assert client.settle(60)
@@ -118,7 +135,8 @@ def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_
 def test_a_daemon_without_slot_ops_is_called_unary_and_nothing_fails():
     daemon = DaemonWithoutSlotOps(host_bytes=64 * BLOCK_BYTES).start()
     try:
-        with daemon.client(slot_stream=True) as client:
+        # A build from before SlotOps has no slot channel either.
+        with daemon.client(slot_stream=True, slot_channel=False) as client:
 
             def store_and_load(worker: int) -> list[bytes]:
                 hashes = [block_hash(f"old-daemon-{worker}", i) for i in range(4)]

@@ -4,7 +4,8 @@ Every method gets requests of three kinds, from a fixed seed: well-formed messag
 field values (with and without a real session, so the deep paths run), valid messages with
 random bytes flipped, cut or appended, and plain garbage. ``SlotOps`` streams get batches of
 random operations: any kind or none, another session's, slots out of range, oversized batches,
-garbage ids. Afterwards the daemon must still be SERVING, every call and every operation of a
+garbage ids; the same batches go as frames over the slot channel too, some with a length that
+lies or cut short. Afterwards the daemon must still be SERVING, every call and every operation of a
 stream must have been answered with a status that is not UNKNOWN (an exception of our own
 code), its memory and its log must have grown by a bounded amount, and the blocks another
 client stored before the storm must come back exact.
@@ -13,8 +14,10 @@ client stored before the storm must come back exact.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import re
+import socket
 
 import grpc
 import pytest
@@ -26,6 +29,7 @@ from kvtier.proto import kvtier_pb2 as pb
 from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, load, open_session, store
 
 CALLS = 10_000
+CHANNEL_CALLS = 1_000
 SEED = 20261122
 RSS_GROWTH_LIMIT = 256 << 20
 LOG_LINES_LIMIT = 400
@@ -191,6 +195,43 @@ def call(
     return grpc.StatusCode.OK
 
 
+def channel_call(path: str, fuzzer: Fuzzer, op_codes: dict) -> grpc.StatusCode:
+    """Sends one fuzzed ``SlotOps`` batch as a frame on a new slot channel connection (its
+    length sometimes lying, or the frame cut short), ends the client's side, and reads every
+    frame back; the channel's end status (OK when the daemon ended it without one)."""
+    rng = fuzzer.rng
+    raw = fuzzer.payload("SlotOps")
+    size = len(raw)
+    if rng.random() < 0.1:
+        size = rng.choice([len(raw) + 5, 0, 2**32 - 1, rng.randrange(2**31)])
+    frame = contract.FRAME.pack(size) + raw
+    if rng.random() < 0.05:
+        frame = frame[: rng.randrange(len(frame))]
+    end = grpc.StatusCode.OK
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(frame)
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        # A daemon that ends the channel before reading all that was sent resets it.
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(1 << 16):
+                data += chunk
+    while len(data) >= contract.FRAME.size:
+        (length,) = contract.FRAME.unpack_from(data)
+        if len(data) < contract.FRAME.size + length:
+            break  # cut off by the reset
+        for result in pb.SlotResultBatch.FromString(data[4 : 4 + length]).results:
+            code = _CODES[result.code]
+            if not result.op_id:
+                end = code
+            op_codes[code] = op_codes.get(code, 0) + 1
+        data = data[4 + length :]
+    return end
+
+
 @pytest.fixture
 def daemon():
     d = Daemon(host_bytes=256 * BLOCK_BYTES, disk_bytes=8192 * BLOCK_BYTES).start()
@@ -218,6 +259,11 @@ def test_ten_thousand_hostile_calls_leave_the_daemon_serving_and_others_intact(d
             code = call(channel, method, fuzzer.payload(method.name), op_codes)
             per_method = codes.setdefault(method.name, {})
             per_method[code] = per_method.get(code, 0) + 1
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        channel_codes: dict[grpc.StatusCode, int] = {}
+        for _ in range(CHANNEL_CALLS):
+            code = channel_call(path, fuzzer, op_codes)
+            channel_codes[code] = channel_codes.get(code, 0) + 1
         for session in stream_sessions:  # their slots back, for the owner's load below
             with contextlib.suppress(grpc.RpcError):
                 stub.Close(pb.SessionRequest(session_id=session), timeout=10)
@@ -230,6 +276,8 @@ def test_ten_thousand_hostile_calls_leave_the_daemon_serving_and_others_intact(d
     }
     assert not unknown, f"our own code failed: {unknown}\n{daemon.log.read_text()[-4000:]}"
     assert grpc.StatusCode.UNKNOWN not in op_codes, daemon.log.read_text()[-4000:]
+    assert grpc.StatusCode.UNKNOWN not in channel_codes, daemon.log.read_text()[-4000:]
+    assert sum(channel_codes.values()) == CHANNEL_CALLS
     assert op_codes.get(grpc.StatusCode.OK, 0) > 100, op_codes  # operations reached the tiers
     # A call that waits for nothing ran out of its 10 s only if the daemon hung on it.
     waiting = {m.name for m in _METHODS if m.server_streaming}

@@ -62,8 +62,7 @@ class DaemonClient:
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
     handed over to another's acquire. ``lookup_index=True`` answers lookups from the daemon's
-    shared-memory index (``lookups``). ``slot_stream=False``: slot calls unary.
-    """
+    shared-memory index (``lookups``); ``slot_stream``, ``slot_channel``: see ``SlotCalls``."""
 
     def __init__(
         self,
@@ -82,6 +81,7 @@ class DaemonClient:
         engine_group: str = "",
         lookup_index: bool = False,
         slot_stream: bool = True,
+        slot_channel: bool = True,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -141,7 +141,9 @@ class DaemonClient:
             if lookup_index and unix
             else None,
         )
-        self.slot_calls = SlotCalls(self._stub, self._keeper, self._metadata, slot_stream and unix)
+        self.slot_calls = SlotCalls(
+            self._stub, self._keeper, self._metadata, self.target, slot_stream, slot_channel
+        )
         self.tools = ToolCalls(
             self._stub,
             self._keeper,
@@ -180,8 +182,7 @@ class DaemonClient:
 
     @property
     def lookup_hold_s(self) -> float:
-        """How long the daemon keeps a lookup's host hits for this client's acquire: an
-        answer older than that may have gone stale (0: not held at all)."""
+        """How long the daemon holds a lookup's host hits for this client's acquire (0: not)."""
         return self._keeper.limits.lookup_hold_s
 
     def acquire_room(self) -> int:
@@ -281,10 +282,8 @@ class DaemonClient:
             self.failures += 1
             return False
         step = self.chunk_blocks
-        outcomes = [
-            self._commit_chunk(session, slots[i : i + step]) for i in range(0, len(slots), step)
-        ]
-        return all(outcomes)
+        chunks = [slots[i : i + step] for i in range(0, len(slots), step)]
+        return all([self._commit_chunk(session, chunk) for chunk in chunks])  # every chunk runs
 
     def _commit_chunk(self, session: str, chunk: Sequence[int]) -> bool:
         # Commit is bookkeeping (the disk writes happen behind it): its deadline does not

@@ -22,109 +22,29 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import grpc
 
 from kvtier.connector.client.session import SessionKeeper
+from kvtier.connector.client.slot_answers import (
+    OP_FIELDS,
+    OpFuture,
+    PendingOp,
+    StreamError,
+    answer,
+)
+from kvtier.connector.client.slot_channel import ChannelStream, connect
 from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-_OP_FIELDS = {
-    "Reserve": ("reserve", "reserve"),
-    "Commit": ("commit", "slots"),
-    "Abort": ("abort", "slots"),
-    "Acquire": ("acquire", "acquire"),
-    "Release": ("release", "slots"),
-    "Cancel": ("cancel", "cancel"),
-}
-"""Method -> (its field in ``SlotOp``, the field of ``SlotResult`` that holds its reply)."""
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class StreamError(grpc.RpcError):
-    """An operation's failure over the stream, shaped as its unary call's would be."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class OpFuture:
-    """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``."""
-
-    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply")
-
-    def __init__(self):
-        self._done = threading.Event()
-        self._reply = None
-        self._error: grpc.RpcError | None = None
-        self._callbacks: list[Callable[[OpFuture], None]] = []
-        self._lock = threading.Lock()
-        self._cancelled = False
-
-    def cancelled(self) -> bool:
-        """True if the client closed the stream under it (it stopped waiting itself)."""
-        return self._cancelled
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None):
-        if not self._done.wait(timeout):
-            raise grpc.FutureTimeoutError()
-        if self._error is not None:
-            raise self._error
-        return self._reply
-
-    def exception(self, timeout: float | None = None) -> grpc.RpcError | None:
-        if not self._done.wait(timeout):
-            raise grpc.FutureTimeoutError()
-        return self._error
-
-    def add_done_callback(self, callback: Callable[[OpFuture], None]) -> None:
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def finish(
-        self, reply: object = None, error: grpc.RpcError | None = None, cancelled: bool = False
-    ) -> None:
-        with self._lock:
-            if self._done.is_set():
-                return
-            self._reply, self._error, self._cancelled = reply, error, cancelled
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-
-
-class _Op(NamedTuple):
-    """An operation on the stream, waiting for its answer."""
-
-    future: OpFuture
-    method: str
-    request: object
-    timeout: float
-    """What its unary call would be given, should it have to go as one."""
 
 
 class _Stream:
@@ -136,7 +56,7 @@ class _Stream:
         self._stub = stub
         self._metadata = metadata
         self._closed = False
-        self._pending: dict[int, _Op] = {}
+        self._pending: dict[int, PendingOp] = {}
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[pb.SlotOp | None] = queue.SimpleQueue()
         self._responses = stub.SlotOps(self._batches(), metadata=metadata)
@@ -149,12 +69,12 @@ class _Stream:
 
     def put(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
         """Queues an operation; None if the stream is broken (the caller goes unary)."""
-        op = _Op(OpFuture(), method, request, timeout)
+        op = PendingOp(OpFuture(), method, request, timeout)
         with self._lock:
             if self.broken is not None:
                 return None
             self._pending[op_id] = op
-        self._queue.put(pb.SlotOp(op_id=op_id, **{_OP_FIELDS[method][0]: request}))
+        self._queue.put(pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request}))
         return op.future
 
     def forget(self, op_id: int) -> None:
@@ -196,7 +116,7 @@ class _Stream:
                     with self._lock:
                         waiting = self._pending.pop(result.op_id, None)
                     if waiting is not None:
-                        _answer(result, waiting.future, waiting.method)
+                        answer(result, waiting.future, waiting.method)
             error = StreamError(grpc.StatusCode.UNAVAILABLE, "SlotOps stream ended")
         except grpc.RpcError as exc:
             error = StreamError(exc.code(), exc.details() or "SlotOps stream broke")
@@ -212,7 +132,7 @@ class _Stream:
         for op in pending.values():
             op.future.finish(error=error, cancelled=self._closed)
 
-    def _send_unary(self, op: _Op) -> None:
+    def _send_unary(self, op: PendingOp) -> None:
         """Sends an operation the daemon never ran as its own call; its answer is the op's."""
         call = getattr(self._stub, op.method).future(
             op.request, timeout=op.timeout, metadata=self._metadata
@@ -232,14 +152,6 @@ class _Stream:
         call.add_done_callback(answered)
 
 
-def _answer(result: pb.SlotResult, future: OpFuture, method: str) -> None:
-    if result.code:
-        code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-        future.finish(error=StreamError(code, result.message))
-    else:
-        future.finish(getattr(result, _OP_FIELDS[method][1]))
-
-
 class SlotCalls:
     """Sends slot operations over the live session's stream (``streaming``) or unary.
 
@@ -251,19 +163,31 @@ class SlotCalls:
         stub: pb_grpc.KvTierStub,
         keeper: SessionKeeper,
         metadata,
+        target: str,
         streaming: bool,
+        channel: bool,
     ):
+        """Operations go over the daemon's slot channel (``channel``) where it has one, else
+        over a ``SlotOps`` stream (``streaming``), else each unary; a daemon on another host
+        (``target`` not a unix socket) has neither."""
         self._stub = stub
         self._keeper = keeper
         self._metadata = metadata
-        self.streaming = streaming
+        self.streaming = streaming and target.startswith("unix:")
+        self._channel_path = (
+            os.fspath(contract.slot_channel_path(target.removeprefix("unix:")))
+            if channel and self.streaming
+            else None
+        )
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
-        self._stream: _Stream | None = None
+        self._stream: _Stream | ChannelStream | None = None
         self._retry_at = 0.0
         self.streamed = 0
         """Operations sent over a stream."""
         self.streams_opened = 0
+        self.channels_opened = 0
+        """Slot channels opened (each a stream the daemon's socket for them carries)."""
         self.fallbacks = 0
         """Operations sent unary because the stream was broken."""
 
@@ -299,7 +223,7 @@ class SlotCalls:
 
     def _put(
         self, op_id: int, method: str, request, timeout: float
-    ) -> tuple[_Stream | None, OpFuture | None]:
+    ) -> tuple[_Stream | ChannelStream | None, OpFuture | None]:
         if not self.streaming:
             return None, None
         stream = self._stream_for(request.session_id)
@@ -312,7 +236,7 @@ class SlotCalls:
             self.streamed += 1
         return stream, future
 
-    def _stream_for(self, session: str) -> _Stream | None:
+    def _stream_for(self, session: str) -> _Stream | ChannelStream | None:
         """The live session's open stream (opened if needed); None: go unary."""
         if session != self._keeper.session:
             return None
@@ -333,8 +257,17 @@ class SlotCalls:
             if not self.streaming:
                 return None
             self._retry_at = 0.0
-            opened = self._stream = _Stream(self._stub, session, self._metadata)
-            self.streams_opened += 1
+            opened = self._stream = self._open(session)
         if stream is not None:
             stream.close()
         return opened
+
+    def _open(self, session: str) -> _Stream | ChannelStream:
+        """The slot channel where the daemon has one, else a ``SlotOps`` stream."""
+        if self._channel_path is not None:
+            sock = connect(self._channel_path)
+            if sock is not None:
+                self.channels_opened += 1
+                return ChannelStream(sock, session)
+        self.streams_opened += 1
+        return _Stream(self._stub, session, self._metadata)

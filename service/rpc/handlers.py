@@ -50,7 +50,7 @@ class Refused:
     kind: str
 
 
-def _decoder(name: str, message_type: type) -> Callable[[bytes], object]:
+def guarded_decoder(name: str, message_type: type) -> Callable[[bytes], object]:
     limit = REQUEST_LIMITS.get(name, TUNABLES.small_request_bytes)
 
     def decode(raw: bytes) -> object:
@@ -88,7 +88,7 @@ def add_servicer(servicer: object, server: grpc.aio.Server) -> None:
             make = grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_decoder(method.name, request_type),
+            request_deserializer=guarded_decoder(method.name, request_type),
             response_serializer=response_type.SerializeToString,
         )
     server.add_generic_rpc_handlers(

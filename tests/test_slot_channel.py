@@ -1,0 +1,123 @@
+"""The slot channel: a session's slot operations over the daemon's own unix socket for them,
+bound to the process that opened the session, with the gRPC stream as its fallback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from kvtier.connector.client.wire import pack_hashes
+from kvtier.proto import contract
+from kvtier.proto import kvtier_pb2 as pb
+
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store
+
+OTHER_PROCESS = """
+import socket, sys
+from kvtier.proto import contract, kvtier_pb2 as pb
+path, session, hashes = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+op = pb.SlotOp(op_id=1, reserve=pb.ReserveRequest(session_id=session, hashes=hashes))
+raw = pb.SlotOpBatch(session_id=session, ops=[op]).SerializeToString()
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(path)
+    s.sendall(contract.FRAME.pack(len(raw)) + raw)
+    data = b""
+    while chunk := s.recv(1 << 16):
+        data += chunk
+while data:
+    (size,) = contract.FRAME.unpack_from(data)
+    for r in pb.SlotResultBatch.FromString(data[4 : 4 + size]).results:
+        print(r.op_id, r.code, r.message)
+    data = data[4 + size :]
+"""
+"""``python -c OTHER_PROCESS PATH SESSION HASHES``: a process that names another's session on
+the channel; prints each result it gets (op id, code, message)."""
+
+
+@pytest.fixture
+def daemon():
+    d = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+    d.cleanup()
+
+
+def frames(sock: socket.socket) -> list[pb.SlotResultBatch]:
+    """Every frame the daemon sends until it ends the channel."""
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    batches = []
+    while data:
+        (size,) = contract.FRAME.unpack_from(data)
+        batches.append(pb.SlotResultBatch.FromString(data[4 : 4 + size]))
+        data = data[4 + size :]
+    return batches
+
+
+def test_the_channel_socket_is_the_daemons_users_alone(daemon):
+    path = contract.slot_channel_path(daemon.socket)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
+
+
+def test_another_process_cannot_use_a_session_over_the_channel(daemon):
+    with daemon.client() as client:
+        session = client.slot_calls._keeper.session
+        hashes = pack_hashes([block_hash("stolen", 0)])
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        out = subprocess.run(
+            [sys.executable, "-c", OTHER_PROCESS, path, session, hashes.hex()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.split()
+        # one result: the channel's end, PERMISSION_DENIED; the reserve never ran
+        assert out[:2] == ["0", str(grpc.StatusCode.PERMISSION_DENIED.value[0])], out
+        assert daemon.stats().reserved_slots == 0
+        # the session is still its own process's, over the channel
+        assert store(client, [block_hash("own", 0)]) == [block_hash("own", 0)]
+        assert client.slot_calls.channels_opened == 1
+
+
+def test_a_session_of_this_process_is_served_and_a_bad_frame_ends_only_its_channel(daemon):
+    with daemon.client() as client:
+        session = client.slot_calls._keeper.session
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        reserve = pb.ReserveRequest(hashes=pack_hashes([block_hash("raw", 0)]))
+        raw = pb.SlotOpBatch(
+            session_id=session, ops=[pb.SlotOp(op_id=7, reserve=reserve)]
+        ).SerializeToString()
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            sock.sendall(contract.FRAME.pack(len(raw)) + raw)
+            (size,) = contract.FRAME.unpack(sock.recv(contract.FRAME.size, socket.MSG_WAITALL))
+            answered = pb.SlotResultBatch.FromString(sock.recv(size, socket.MSG_WAITALL))
+            sock.sendall(contract.FRAME.pack(3) + b"\xff" * 3)  # undecodable
+            results = [*answered.results, *(r for batch in frames(sock) for r in batch.results)]
+        assert [(r.op_id, r.code) for r in results] == [
+            (7, 0),
+            (0, grpc.StatusCode.INVALID_ARGUMENT.value[0]),
+        ]
+        abort = pb.SlotsRequest(session_id=session, slots=list(results[0].reserve.slots))
+        client._stub.Abort(abort, timeout=10)
+        hashes = [block_hash("after", i) for i in range(4)]
+        assert store(client, hashes) == hashes
+        assert load(client, hashes) == hashes
+        assert client.failures == 0
+
+
+def test_a_daemon_without_a_slot_channel_is_reached_over_the_stream(daemon):
+    contract.slot_channel_path(daemon.socket).unlink()  # as a daemon from before the channel
+    with daemon.client() as client:
+        hashes = [block_hash("no-channel", i) for i in range(4)]
+        assert store(client, hashes) == hashes
+        assert load(client, hashes) == hashes
+        assert client.settle(30)
+        calls = client.slot_calls
+        assert (calls.channels_opened, calls.streams_opened, client.failures) == (0, 1, 0)
