@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 
 import grpc
@@ -30,6 +31,9 @@ from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.contract import FRAME
 
 log = logging.getLogger(__name__)
+
+_TIMEVAL = struct.Struct("ll")
+"""``struct timeval``: seconds, microseconds."""
 
 
 def connect(path: str, timeout: float = 1.0) -> socket.socket | None:
@@ -76,8 +80,13 @@ class ChannelStream:
             ops=[pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request})],
         )
         raw = batch.SerializeToString()
+        # A daemon that stops reading (frozen) must not hold the caller past its deadline in a
+        # send to a full socket: the send gives up (and the channel with it) when it passes.
+        wait = max(timeout, 1e-3)  # 0 would mean no bound at all
+        timeval = _TIMEVAL.pack(int(wait), int(wait % 1 * 1e6))
         try:
             with self._send_lock:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
                 self._sock.sendall(FRAME.pack(len(raw)) + raw)
         except OSError as exc:
             # The reader sees the channel end too and fails what waits, this operation included.
