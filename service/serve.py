@@ -154,7 +154,10 @@ async def _start(
     made.push_async_callback(relay.stop)
     channel_path = contract.slot_channel_path(socket_path)
     _prepare_socket(channel_path)
-    channel = SlotChannelServer(servicer, channel_path, servicer.client_pid)
+    # a session's channel, and room for each to reconnect
+    channel = SlotChannelServer(
+        servicer, channel_path, servicer.client_pid, 2 * config.max_sessions
+    )
     made.push_async_callback(channel.close)
     with _private_umask():
         await channel.start()

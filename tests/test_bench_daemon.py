@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from kvtier.bench.daemon import slot_ops
 from kvtier.service.cli import main
 
 MIX_KEYS = (
@@ -29,3 +30,12 @@ def test_bench_daemon_paced_clients_report_the_control_plane_keys(capsys):
     assert 0 <= result["mix_late_fraction"] <= 1
     # the keys measured before the paced clients are still there
     assert result["lookup_p50_ms"] > 0 and result["store_ratio"] > 0
+
+
+def test_the_slot_ops_bench_times_each_way_and_each_uses_its_own(tmp_path):
+    """Unary, the gRPC stream and the slot channel each report every figure; ``measure``
+    raises if the stream or channel client went another way."""
+    figures = slot_ops.measure(rounds=20, threads=2, root=tmp_path)
+    for way in slot_ops.WAYS:
+        for figure in ("reserve_commit_p50_us", "acquire_release_p99_us", "ops_per_s"):
+            assert math.isfinite(figures[f"{way}_{figure}"]) and figures[f"{way}_{figure}"] > 0

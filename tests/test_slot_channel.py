@@ -15,7 +15,7 @@ from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 
-from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
 
 OTHER_PROCESS = """
 import socket, sys
@@ -121,3 +121,30 @@ def test_a_daemon_without_a_slot_channel_is_reached_over_the_stream(daemon):
         assert client.settle(30)
         calls = client.slot_calls
         assert (calls.channels_opened, calls.streams_opened, client.failures) == (0, 1, 0)
+
+
+def test_channels_beyond_the_cap_are_ended_at_once_and_the_rest_still_served():
+    daemon = Daemon(host_bytes=64 * BLOCK_BYTES, extra=["--max-sessions", "1"]).start()
+    try:
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        idle = [socket.socket(socket.AF_UNIX) for _ in range(2)]  # the cap: 2 per session
+        try:
+            for sock in idle:
+                sock.connect(path)
+            with socket.socket(socket.AF_UNIX) as extra:
+                extra.connect(path)
+                results = [r for batch in frames(extra) for r in batch.results]
+            assert [(r.op_id, r.code) for r in results] == [
+                (0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+            ]
+        finally:
+            for sock in idle:
+                sock.close()
+        # the idle ones gone, a client's own channel is served again
+        with daemon.client() as client:
+            hashes = [block_hash("capped", i) for i in range(2)]
+            wait_until(lambda: store(client, hashes) == hashes, "a store over the channel")
+            assert client.slot_calls.channels_opened >= 1
+        assert daemon.stop() == 0, daemon.log.read_text()
+    finally:
+        daemon.cleanup()

@@ -1,14 +1,15 @@
-"""Slot operations over the session's ``SlotOps`` stream beside the same operations unary.
+"""Slot operations over the slot channel, the ``SlotOps`` stream and unary calls, side by side.
 
 ``python -m kvtier.bench.daemon.slot_ops [--rounds N] [--threads T] [--json]`` starts a daemon
-(host tier only) and two clients of it, one sending slot operations unary and one over its
-stream, and times the two in alternating rounds so that both see the same machine:
+(host tier only) and three clients of it, one sending slot operations unary, one over its
+gRPC stream and one over the daemon's slot channel, and times them in alternating rounds so
+that all see the same machine:
 
-* ``{unary,stream}_reserve_commit_p50_us`` / ``_p99_us``: a 4-block Reserve + Commit;
-* ``{unary,stream}_acquire_release_p50_us`` / ``_p99_us``: a 4-block Acquire + Release (the
-  Release is sent without waiting; the next Acquire waits for its answer first);
-* ``{unary,stream}_ops_per_s``: Reserve + Commit + Acquire + Release of 4 blocks from
-  ``--threads`` threads of one client at once, operations answered per second.
+* ``{unary,stream,channel}_reserve_commit_p50_us`` / ``_p99_us``: a 4-block Reserve + Commit;
+* ``…_acquire_release_p50_us`` / ``_p99_us``: a 4-block Acquire + Release (the Release is
+  sent without waiting; the next Acquire waits for its answer first);
+* ``…_ops_per_s``: Reserve + Commit + Acquire + Release of 4 blocks from ``--threads`` threads
+  of one client at once, operations answered per second.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvtier.connector.client.daemon_client import DaemonClient
 
 BLOCK_BYTES = 64 << 10
 BLOCKS = 4
+WAYS = ("unary", "stream", "channel")
 
 
 def _hashes() -> list[bytes]:
@@ -77,16 +79,21 @@ def measure(rounds: int, threads: int, root: Path) -> dict[str, float]:
     daemon, target = start_daemon(root, host_bytes=4096 * BLOCK_BYTES, disk_bytes=0)
     clients = {}
     try:
-        for name, streaming in (("unary", False), ("stream", True)):
+        for name in WAYS:
             clients[name] = DaemonClient(
-                SIGNATURE, BLOCK_BYTES, target=target, timeout_s=30, slot_stream=streaming
+                SIGNATURE,
+                BLOCK_BYTES,
+                target=target,
+                timeout_s=30,
+                slot_stream=name != "unary",
+                slot_channel=name == "channel",
             )
             if not clients[name].wait_connected(60):
                 raise RuntimeError((root / "daemon.log").read_text())
         times = {name: ([], []) for name in clients}
         per_round = max(1, rounds // 10)
-        for _ in _pair_times(clients["unary"], 20) + _pair_times(clients["stream"], 20):
-            pass  # warm both paths (the stream opens on its first operation)
+        for client in clients.values():
+            _pair_times(client, 20)  # warm each way (a stream opens on its first operation)
         for _ in range(10):
             for name, client in clients.items():
                 stores, loads = _pair_times(client, per_round)
@@ -102,8 +109,11 @@ def measure(rounds: int, threads: int, root: Path) -> dict[str, float]:
             figures[f"{name}_acquire_release_p99_us"] = p99
         for name, client in clients.items():
             figures[f"{name}_ops_per_s"] = _ops_per_s(client, threads, max(1, rounds // threads))
-        if clients["stream"].slot_calls.fallbacks or not clients["stream"].slot_calls.streamed:
-            raise RuntimeError("the stream client did not use its stream throughout")
+        for name in ("stream", "channel"):
+            calls = clients[name].slot_calls
+            opened = calls.channels_opened if name == "channel" else calls.streams_opened
+            if calls.fallbacks or not calls.streamed or opened != 1:
+                raise RuntimeError(f"the {name} client did not use its {name} throughout")
         return figures
     finally:
         for client in clients.values():

@@ -71,12 +71,20 @@ class SlotChannelServer:
     """Serves the slot channel of ``servicer`` on ``path`` until ``close``.
 
     ``client_pid(peer)`` is the client pid a relayed connection's address names (None for
-    any other peer)."""
+    any other peer). Connections beyond ``max_connections`` are ended at once, so that a
+    client opening them without end cannot take the daemon's descriptors."""
 
-    def __init__(self, servicer, path: Path, client_pid: Callable[[str], int | None]):
+    def __init__(
+        self,
+        servicer,
+        path: Path,
+        client_pid: Callable[[str], int | None],
+        max_connections: int,
+    ):
         self._servicer = servicer
         self._path = path
         self._client_pid = client_pid
+        self._max_connections = max_connections
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task] = set()
 
@@ -98,6 +106,13 @@ class SlotChannelServer:
         task = asyncio.current_task()
         self._connections.add(task)
         try:
+            if len(self._connections) > self._max_connections:
+                await _send_end(
+                    writer,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self._max_connections} slot channels are open, the most this daemon takes",
+                )
+                return
             await self._converse(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; its operations were answered or are moot
