@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
+from pathlib import Path
 
 from kvtier.bench.daemon import slot_ops
 from kvtier.service.cli import main
@@ -32,10 +34,12 @@ def test_bench_daemon_paced_clients_report_the_control_plane_keys(capsys):
     assert result["lookup_p50_ms"] > 0 and result["store_ratio"] > 0
 
 
-def test_the_slot_ops_bench_times_each_way_and_each_uses_its_own(tmp_path):
+def test_the_slot_ops_bench_times_each_way_and_each_uses_its_own():
     """Unary, the gRPC stream and the slot channel each report every figure; ``measure``
     raises if the stream or channel client went another way."""
-    figures = slot_ops.measure(rounds=20, threads=2, root=tmp_path)
+    # a short root: the daemon's socket path and its relay's addresses must fit 107 bytes
+    with tempfile.TemporaryDirectory(prefix="kvb-", dir="/tmp") as root:
+        figures = slot_ops.measure(rounds=20, threads=2, root=Path(root))
     for way in slot_ops.WAYS:
         for figure in ("reserve_commit_p50_us", "acquire_release_p99_us", "ops_per_s"):
             assert math.isfinite(figures[f"{way}_{figure}"]) and figures[f"{way}_{figure}"] > 0
