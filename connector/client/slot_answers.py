@@ -112,3 +112,43 @@ def answer(result: pb.SlotResult, future: OpFuture, method: str) -> None:
         future.finish(error=StreamError(code_of(result.code), result.message))
     else:
         future.finish(getattr(result, OP_FIELDS[method][1]))
+
+
+class PendingOps:
+    """The operations one stream or channel carries that wait for their answers, until it
+    breaks: then ``broken`` holds why, and it takes no more."""
+
+    def __init__(self) -> None:
+        self.broken: grpc.RpcError | None = None
+        self._ops: dict[int, PendingOp] = {}
+        self._lock = threading.Lock()
+
+    def add(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
+        """Waits for an operation's answer; None if already broken (the caller goes another
+        way)."""
+        op = PendingOp(OpFuture(), method, request, timeout)
+        with self._lock:
+            if self.broken is not None:
+                return None
+            self._ops[op_id] = op
+        return op.future
+
+    def forget(self, op_id: int) -> None:
+        """Stops waiting for an operation (its caller's deadline passed)."""
+        with self._lock:
+            self._ops.pop(op_id, None)
+
+    def answer(self, result: pb.SlotResult) -> None:
+        """Hands ``result`` to the operation waiting for its id, if one still does."""
+        with self._lock:
+            waiting = self._ops.pop(result.op_id, None)
+        if waiting is not None:
+            answer(result, waiting.future, waiting.method)
+
+    def end(self, error: grpc.RpcError) -> list[PendingOp]:
+        """Marks the stream broken with ``error``; returns the operations still waiting, for
+        the caller to finish."""
+        with self._lock:
+            self.broken = error
+            ops, self._ops = list(self._ops.values()), {}
+        return ops

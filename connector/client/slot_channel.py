@@ -22,9 +22,8 @@ from google.protobuf.message import DecodeError
 from kvtier.connector.client.slot_answers import (
     OP_FIELDS,
     OpFuture,
-    PendingOp,
+    PendingOps,
     StreamError,
-    answer,
     code_of,
 )
 from kvtier.proto import kvtier_pb2 as pb
@@ -55,12 +54,12 @@ class ChannelStream:
 
     def __init__(self, sock: socket.socket, session: str):
         self.session = session
-        self.broken: grpc.RpcError | None = None
+        self.pending = PendingOps()
         self._sock = sock
+        self._frames = sock.makefile("rb")
         self._closed = False
-        self._pending: dict[int, PendingOp] = {}
-        self._lock = threading.Lock()
         self._send_lock = threading.Lock()
+        self._send_timeout = 0.0
         self._reader = threading.Thread(target=self._read, name="kvtier-slot-channel", daemon=True)
         self._reader.start()
 
@@ -70,39 +69,38 @@ class ChannelStream:
 
     def put(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
         """Sends an operation; None if the channel is broken (the caller goes another way)."""
-        op = PendingOp(OpFuture(), method, request, timeout)
-        with self._lock:
-            if self.broken is not None:
-                return None
-            self._pending[op_id] = op
+        future = self.pending.add(op_id, method, request, timeout)
+        if future is None:
+            return None
         batch = pb.SlotOpBatch(
             session_id=self.session,
             ops=[pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request})],
         )
         raw = batch.SerializeToString()
-        # A daemon that stops reading (frozen) must not hold the caller past its deadline in a
-        # send to a full socket: the send gives up (and the channel with it) when it passes.
-        wait = max(timeout, 1e-3)  # 0 would mean no bound at all
-        timeval = _TIMEVAL.pack(int(wait), int(wait % 1 * 1e6))
         try:
             with self._send_lock:
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+                self._bound_sends(timeout)
                 self._sock.sendall(FRAME.pack(len(raw)) + raw)
         except OSError as exc:
             # The reader sees the channel end too and fails what waits, this operation included.
             log.debug("kvtier slot channel: send failed: %s", exc)
             self._shut()
-        return op.future
-
-    def forget(self, op_id: int) -> None:
-        """Stops waiting for an operation (its caller's deadline passed)."""
-        with self._lock:
-            self._pending.pop(op_id, None)
+        return future
 
     def close(self) -> None:
         """Ends the channel; what still waits on it fails as cancelled by the client."""
         self._closed = True
         self._shut()
+
+    def _bound_sends(self, timeout: float) -> None:
+        """A daemon that stops reading (frozen) must not hold a caller past its deadline in a
+        send to a full socket: a send gives up (and the channel with it) once ``timeout``
+        passes. Set only when it changes: the calls of one client share their deadline."""
+        wait = max(timeout, 1e-3)  # 0 would mean no bound at all
+        if wait != self._send_timeout:
+            timeval = _TIMEVAL.pack(int(wait), int(wait % 1 * 1e6))
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            self._send_timeout = wait
 
     def _shut(self) -> None:
         with contextlib.suppress(OSError):  # already shut
@@ -113,41 +111,25 @@ class ChannelStream:
         try:
             while (batch := self._next_batch()) is not None:
                 for result in batch.results:
-                    if not result.op_id:  # the daemon's last word: why it ends the channel
+                    if result.op_id:
+                        self.pending.answer(result)
+                    else:  # the daemon's last word: why it ends the channel
                         error = StreamError(code_of(result.code), result.message)
-                        continue
-                    with self._lock:
-                        waiting = self._pending.pop(result.op_id, None)
-                    if waiting is not None:
-                        answer(result, waiting.future, waiting.method)
         except (OSError, DecodeError) as exc:
             log.debug("kvtier slot channel: read failed: %s", exc)
         if self._closed:  # as a gRPC stream cancelled by its client ends
             error = StreamError(grpc.StatusCode.CANCELLED, "the client closed the slot channel")
-        with self._lock:
-            self.broken = error
-            pending, self._pending = self._pending, {}
+        pending = self.pending.end(error)
+        self._frames.close()
         self._sock.close()
-        for op in pending.values():
+        for op in pending:
             op.future.finish(error=error, cancelled=self._closed)
 
     def _next_batch(self) -> pb.SlotResultBatch | None:
-        head = self._read_exactly(FRAME.size)
-        if head is None:
+        """The next frame's results; None once the channel ends (a frame cut short too)."""
+        head = self._frames.read(FRAME.size)
+        if len(head) < FRAME.size:
             return None
         (size,) = FRAME.unpack(head)
-        body = self._read_exactly(size)
-        if body is None:
-            return None
-        return pb.SlotResultBatch.FromString(body)
-
-    def _read_exactly(self, size: int) -> bytes | None:
-        """``size`` bytes, or None if the channel ends first."""
-        chunks, left = [], size
-        while left:
-            chunk = self._sock.recv(min(left, 1 << 20))
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        body = self._frames.read(size)
+        return pb.SlotResultBatch.FromString(body) if len(body) == size else None

@@ -35,8 +35,8 @@ from kvtier.connector.client.slot_answers import (
     OP_FIELDS,
     OpFuture,
     PendingOp,
+    PendingOps,
     StreamError,
-    answer,
 )
 from kvtier.connector.client.slot_channel import ChannelStream, connect
 from kvtier.connector.tunables import TUNABLES
@@ -52,12 +52,10 @@ class _Stream:
 
     def __init__(self, stub: pb_grpc.KvTierStub, session: str, metadata):
         self.session = session
-        self.broken: grpc.RpcError | None = None
+        self.pending = PendingOps()
         self._stub = stub
         self._metadata = metadata
         self._closed = False
-        self._pending: dict[int, PendingOp] = {}
-        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[pb.SlotOp | None] = queue.SimpleQueue()
         self._responses = stub.SlotOps(self._batches(), metadata=metadata)
         self._reader = threading.Thread(target=self._read, name="kvtier-slot-ops", daemon=True)
@@ -65,22 +63,15 @@ class _Stream:
 
     def unimplemented(self) -> bool:
         """Whether the daemon has no ``SlotOps``."""
-        return self.broken is not None and self.broken.code() == grpc.StatusCode.UNIMPLEMENTED
+        broken = self.pending.broken
+        return broken is not None and broken.code() == grpc.StatusCode.UNIMPLEMENTED
 
     def put(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
         """Queues an operation; None if the stream is broken (the caller goes unary)."""
-        op = PendingOp(OpFuture(), method, request, timeout)
-        with self._lock:
-            if self.broken is not None:
-                return None
-            self._pending[op_id] = op
-        self._queue.put(pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request}))
-        return op.future
-
-    def forget(self, op_id: int) -> None:
-        """Stops waiting for an operation (its caller's deadline passed)."""
-        with self._lock:
-            self._pending.pop(op_id, None)
+        future = self.pending.add(op_id, method, request, timeout)
+        if future is not None:
+            self._queue.put(pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request}))
+        return future
 
     def close(self) -> None:
         """Ends the stream; what still waits on it fails as cancelled by the client."""
@@ -113,23 +104,18 @@ class _Stream:
         try:
             for batch in self._responses:
                 for result in batch.results:
-                    with self._lock:
-                        waiting = self._pending.pop(result.op_id, None)
-                    if waiting is not None:
-                        answer(result, waiting.future, waiting.method)
+                    self.pending.answer(result)
             error = StreamError(grpc.StatusCode.UNAVAILABLE, "SlotOps stream ended")
         except grpc.RpcError as exc:
             error = StreamError(exc.code(), exc.details() or "SlotOps stream broke")
-        with self._lock:
-            self.broken = error
-            pending, self._pending = self._pending, {}
+        pending = self.pending.end(error)
         if self.unimplemented():
-            for op in pending.values():
+            for op in pending:
                 self._send_unary(op)
             return
         if pending:
             log.debug("kvtier SlotOps stream broke (%s); %d operations fail", error, len(pending))
-        for op in pending.values():
+        for op in pending:
             op.future.finish(error=error, cancelled=self._closed)
 
     def _send_unary(self, op: PendingOp) -> None:
@@ -200,7 +186,7 @@ class SlotCalls:
         try:
             return future.result(timeout)
         except grpc.FutureTimeoutError:
-            stream.forget(op_id)
+            stream.pending.forget(op_id)
             raise StreamError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} missed its deadline"
             ) from None
@@ -242,13 +228,14 @@ class SlotCalls:
             return None
         with self._lock:
             stream = self._stream
-            if stream is not None and stream.session == session and stream.broken is None:
+            if stream is not None and stream.session == session and stream.pending.broken is None:
                 return stream
             if stream is not None and stream.unimplemented():
                 self.streaming = False  # a daemon from before SlotOps: unary for good
                 return None
             now = time.monotonic()
-            if stream is not None and stream.broken is not None and stream.session == session:
+            broken = stream is not None and stream.pending.broken is not None
+            if broken and stream.session == session:
                 if not self._retry_at:
                     self._retry_at = now + TUNABLES.stream_retry_s
                 if now < self._retry_at:
