@@ -37,6 +37,10 @@ ROOT_PREFIX = f"kvd-{RUN}-"
 SIGNATURE = bytes(range(16))
 BLOCK_BYTES = 8192
 START_TIMEOUT_S = 60
+DAEMON_PYTHON = os.environ.get("KVTIER_TEST_DAEMON_PYTHON") or sys.executable
+"""The interpreter daemons run under: the tests' own, or another environment's with kvtier in
+it (``tests/run.sh`` runs the vLLM step's daemons under the main environment, whose CPU build
+of torch imports in half the time of vLLM's CUDA build, at every daemon start)."""
 SET_NOFILE = (
     "import os, resource, sys; "
     "resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2]))); "
@@ -142,7 +146,7 @@ class Daemon:
         return self.root / "daemon.log"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable]
+        cmd = [DAEMON_PYTHON]
         if self.nofile is not None:
             cmd += ["-c", SET_NOFILE, *map(str, self.nofile)]
         cmd += [

@@ -55,7 +55,10 @@ fi
 cat "$installs"
 rm -f "$installs"
 
-VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
+# The daemons these tests start run under the main environment, as a node's daemon runs beside
+# its engines' environments: vLLM's CUDA build of torch would add 2 s to every daemon start.
+KVTIER_TEST_DAEMON_PYTHON=$(command -v python) VLLM_TARGET_DEVICE=cpu \
+    .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
     tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
     tests/test_vllm_hits.py tests/test_vllm_events.py tests/test_vllm_identity.py \
     tests/test_vllm_fence.py tests/test_vllm_gate.py tests/test_vllm_pins.py \
