@@ -33,7 +33,7 @@ from kvtier.tiers.gpu.pinned import (
     unregister_host,
 )
 from kvtier.tiers.gpu.placement import KVPlacement
-from kvtier.tiers.gpu.plan import check_pairs, plan_runs
+from kvtier.tiers.gpu.plan import check_pairs
 from kvtier.tiers.gpu.transfer import Callback, CompletionQueue, Transfer
 from kvtier.tiers.tunables import TUNABLES
 
@@ -137,7 +137,8 @@ class CopyEngine:
             self.counters.bytes_out += nbytes
         if self._cuda is None:
             if self.placement.block_contiguous:
-                cpu_copy.store_runs(self.placement, self.slab, self._runs(block_ids, slots))
+                runs = self.placement.block_runs(block_ids, slots)
+                cpu_copy.store_runs(self.placement, self.slab, runs)
             else:
                 cpu_copy.store_rows(self.placement, self.slab, block_ids, slots)
             return self._done_at_once(Transfer(n, nbytes, callback))
@@ -164,7 +165,8 @@ class CopyEngine:
             self.counters.bytes_in += nbytes
         if self._cuda is None:
             if self.placement.block_contiguous:
-                cpu_copy.load_runs(self.placement, self.slab, self._runs(block_ids, slots))
+                runs = self.placement.block_runs(block_ids, slots)
+                cpu_copy.load_runs(self.placement, self.slab, runs)
             else:
                 cpu_copy.load_rows(self.placement, self.slab, slots, block_ids)
             return self._done_at_once(Transfer(n, nbytes, callback))
@@ -191,11 +193,6 @@ class CopyEngine:
 
     def _check(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         check_pairs(block_ids, slots, self.placement.num_blocks, self.slab.shape[0])
-
-    def _runs(self, block_ids: Sequence[int], slots: Sequence[int]):
-        bb = self.layout.block_bytes
-        offsets = [self.placement.block_offset(b) for b in block_ids]
-        return plan_runs(offsets, [s * bb for s in slots], bb)
 
     def _boundary(self) -> int:
         """Host bytes no single copy may cross: the slab's registration chunks, if several."""

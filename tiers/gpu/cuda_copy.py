@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.tiers.gpu.placement import KVPlacement
-from kvtier.tiers.gpu.plan import Run, chunk_ranges, plan_runs
+from kvtier.tiers.gpu.plan import chunk_ranges, plan_runs
 from kvtier.tiers.gpu.runtime import copy_runs, runtime
 from kvtier.tiers.tunables import TUNABLES
 
@@ -144,7 +144,7 @@ class CudaCopier:
         if not self._rings:
             stream = self._dma[STORE]
             stream.wait_stream(compute)
-            runs = self._block_runs(block_ids, slots, host_boundary)
+            runs = self.placement.block_runs(block_ids, slots, host_boundary)
             # every call below names its stream: no current-stream switch on the engine's thread
             start = _record(stream, timing=True)
             copy_runs(self._runtime, stream, host, self.placement.buffer, runs, to_host=True)
@@ -190,7 +190,7 @@ class CudaCopier:
         for event in after:
             dma.wait_event(event)
         if not self._rings:
-            runs = self._block_runs(block_ids, slots, host_boundary)
+            runs = self.placement.block_runs(block_ids, slots, host_boundary)
             start = _record(dma, timing=True)
             copy_runs(self._runtime, dma, host, self.placement.buffer, runs, to_host=False)
             return start, _record(dma, timing=True), None
@@ -216,19 +216,6 @@ class CudaCopier:
                 self.placement.scatter(ring.rows[k][:m], dev_ids[chunk.start : chunk.stop])
                 ring.released[k] = _record(kernels, timing=True)
         return start, ring.released[k], ids
-
-    def _block_runs(
-        self, block_ids: Sequence[int], slots: Sequence[int], host_boundary: int
-    ) -> list[Run]:
-        """The runs of whole blocks (``block_contiguous``) into or out of their slots."""
-        first, stride = self.placement.offset, self.placement.block_stride
-        block_bytes = self.placement.layout.block_bytes
-        return plan_runs(
-            [first + b * stride for b in block_ids],
-            [s * block_bytes for s in slots],
-            block_bytes,
-            host_boundary,
-        )
 
 
 def _record(stream: torch.cuda.Stream, timing: bool = False) -> torch.cuda.Event:

@@ -27,6 +27,7 @@ from functools import cached_property
 
 import torch
 
+from kvtier.tiers.gpu.plan import Run, plan_runs
 from kvtier.tiers.layout import BLOCK_ORDER, KVLayout
 
 ORDERS: dict[str, tuple[int, ...]] = {
@@ -201,6 +202,16 @@ class KVPlacement:
     def block_offset(self, block_id: int) -> int:
         """Byte offset of a block's first page (its whole run when ``block_contiguous``)."""
         return self.offset + block_id * self.block_stride
+
+    def block_runs(
+        self, block_ids: Sequence[int], slots: Sequence[int], host_boundary: int = 0
+    ) -> list[Run]:
+        """The copies of whole blocks (``block_contiguous``) into or out of slots of
+        ``block_bytes``, merged where both sides continue (``plan_runs``)."""
+        first, stride, size = self.offset, self.block_stride, self.layout.block_bytes
+        return plan_runs(
+            [first + b * stride for b in block_ids], [s * size for s in slots], size, host_boundary
+        )
 
     @cached_property
     def word(self) -> tuple[int, torch.dtype]:
