@@ -17,10 +17,12 @@ KEYS = {
     "host_store_gbps",
     "host_load_gbps",
     "disk_write_gbps",
+    "disk_write_behind_gbps",
     "disk_read_cold_gbps",
     "hash_mtokens_per_s",
     "host_ratio",
     "disk_write_ratio",
+    "disk_write_behind_ratio",
     "disk_read_ratio",
 }
 

@@ -20,6 +20,7 @@ import lmdb
 import numpy as np
 import xxhash
 
+from kvtier.tiers.buffers import copy_bytes
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk.index import FORMAT_VERSION, MAX_META_BYTES, BlockIndex, Entry
 from kvtier.tiers.disk.slots import PAGE, BufferPool, SlotFile, SlotTable
@@ -206,7 +207,7 @@ class BatchCommitter:
             return pending.data, None
         bounce = self._pool.acquire()
         view = memoryview(bounce)
-        view[: self._block_bytes] = pending.data
+        copy_bytes(view[: self._block_bytes], pending.data)
         return view, bounce
 
     def _writable_as_is(self, data: memoryview) -> bool:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvtier.tiers.buffers import copy_bytes
 from kvtier.tiers.tunables import TUNABLES
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ class SlotFile:
                     self._read(view[: slot_stride(len(rest))], offset + head)
                     if touched is not None:
                         touched.result()
-                    rest[:] = view[: len(rest)]
+                    copy_bytes(rest, view[: len(rest)])
             finally:
                 self._pool.release(buf)
 

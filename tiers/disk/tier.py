@@ -26,6 +26,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from kvtier.tiers.buffers import copy_bytes
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.disk.commit import DROP, FLUSH, PUT, STOP, TOUCH, Pending, check_block
 from kvtier.tiers.disk.directory import TierDirectory
@@ -205,7 +206,7 @@ class DiskTier:
                 self._s.table.pin_locked(slot)
         if pending is not None:
             try:
-                dst[:] = pending.data
+                copy_bytes(dst, pending.data)
             finally:
                 with self._lock:
                     pending.readers -= 1
@@ -255,7 +256,7 @@ class DiskTier:
         # O_DIRECT as it is.
         buf = self._s.pool.acquire()
         view = memoryview(buf)[: self.block_bytes]
-        view[:] = src
+        copy_bytes(view, src)
         with self._lock:
             self._check_open()
             if block_hash not in self._s.pending:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.tiers.buffers import copy_bytes
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.remote.backend import RemoteBackend, RemoteError
 from kvtier.tiers.remote.format import block_key, check_prefix, unpack
@@ -172,7 +173,7 @@ class RemoteTier:
                 if not borrow.begin():
                     return
                 try:
-                    dsts[i][:] = memoryview(value)[offset : offset + self.block_bytes]
+                    copy_bytes(dsts[i], memoryview(value)[offset : offset + self.block_bytes])
                     metas[i] = meta
                 finally:
                     borrow.end()
