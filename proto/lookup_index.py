@@ -97,8 +97,8 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
 
 class _Table:
     """Views of a mapped table: each record's hash as one 16-byte string (compared whole in
-    one step: numpy's fixed-width bytes compare exactly, and an empty record is ``b""``), and
-    its tier bits."""
+    one step: numpy's fixed-width bytes compare exactly, and an empty record is ``b""``), the
+    same records as four 64-bit words (the hash's two first), and each record's tier bits."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
@@ -106,8 +106,33 @@ class _Table:
         self.hashes = np.ndarray(
             (capacity,), f"S{HASH_BYTES}", mapped, HEADER_BYTES, (RECORD_BYTES,)
         )
+        self.words = np.ndarray((capacity, RECORD_BYTES // 8), "<u8", mapped, HEADER_BYTES)
         self.tiers = records[:, _TIERS_AT]
         self.capacity = capacity
+
+
+def _place(homes: np.ndarray, capacity: int) -> np.ndarray:
+    """Where linear probing from ``homes`` puts each of a batch of distinct hashes in an empty
+    table, all at once: each round, the first hash aiming at each free record takes it and
+    every other moves on by one. A hash ends up past a record only where that record was
+    taken, as a reader's probe expects. (A rebuild of 100,000 hashes one insert at a time
+    held the writer's lock for 0.45 s on the 2-core VM; this takes a few tens of ms.)"""
+    records = homes.copy()
+    placed = np.empty(len(homes), np.int64)
+    taken = np.zeros(capacity, bool)
+    pending = np.arange(len(homes))
+    while len(pending):
+        aims = records[pending]
+        targets, first = np.unique(aims, return_index=True)
+        free = ~taken[targets]
+        targets, winners = targets[free], pending[first[free]]
+        taken[targets] = True
+        placed[winners] = targets
+        moving = np.ones(len(pending), bool)
+        moving[first[free]] = False
+        pending = pending[moving]
+        records[pending] = (records[pending] + 1) & (capacity - 1)
+    return placed
 
 
 class LookupIndexWriter:
@@ -124,10 +149,11 @@ class LookupIndexWriter:
         """The published file, open and locked for as long as this writer keeps it."""
         for left in self.path.parent.glob(f"{self.path.name}.*"):
             left.unlink(missing_ok=True)  # a table a dead daemon was building
-        self._build(_capacity_for(blocks), {})
+        self._build(_capacity_for(blocks), [], np.zeros(0, np.uint8))
 
-    def _build(self, capacity: int, live: dict[bytes, int]) -> None:
-        """Writes a table holding ``live`` (hash → bits) into a new file and publishes it."""
+    def _build(self, capacity: int, keys: list[bytes], bits: np.ndarray) -> None:
+        """Writes a table holding ``keys`` (distinct) with their tier ``bits`` into a new file
+        and publishes it."""
         self._generation += 1
         size = HEADER_BYTES + capacity * RECORD_BYTES
         fresh = self.path.with_name(f"{self.path.name}.{os.getpid()}.{self._generation}")
@@ -143,11 +169,13 @@ class LookupIndexWriter:
             MAGIC, capacity, self._generation, 0, int(self.has_remote)
         ).ljust(HEADER_BYTES, b"\0")
         old_map = self._map
-        self._map, self._table, self._used = mapped, _Table(mapped, capacity), 0
-        self._slots = {}
-        for key, bits in live.items():
-            self._slots[key] = self._insert(key)
-            self._table.tiers[self._slots[key]] = bits
+        table = _Table(mapped, capacity)
+        words = np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2)
+        records = _place(_buckets(words, capacity), capacity)
+        table.words[records, :2] = words
+        table.tiers[records] = bits
+        self._map, self._table, self._used = mapped, table, len(keys)
+        self._slots = dict(zip(keys, records.tolist(), strict=True))
         os.replace(fresh, self.path)
         if old_map is not None:
             old_map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
@@ -193,9 +221,11 @@ class LookupIndexWriter:
             self._map[at] = bits | tier if held else bits & ~tier
 
     def _rebuild(self) -> None:
-        tiers = self._table.tiers
-        live = {key: int(tiers[r]) for key, r in self._slots.items() if tiers[r]}
-        self._build(_capacity_for(len(live) + 1), live)
+        """A fresh table of the hashes some tier still holds (cleared records left out)."""
+        keys = list(self._slots)
+        bits = self._table.tiers[np.fromiter(self._slots.values(), np.int64, len(keys))]
+        held = np.flatnonzero(bits)
+        self._build(_capacity_for(len(held) + 1), [keys[i] for i in held.tolist()], bits[held])
 
     def close(self) -> None:
         """Unlinks the index; clients holding it see it retired and probe no more."""

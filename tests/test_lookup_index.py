@@ -14,6 +14,7 @@ from kvtier.proto.lookup_index import (
     MIN_CAPACITY,
     LookupIndexReader,
     LookupIndexWriter,
+    _place,
     index_path,
 )
 
@@ -182,3 +183,22 @@ def test_a_killed_daemons_index_answers_no_probe():
         client.close()
     finally:
         daemon.cleanup()
+
+
+def test_a_rebuild_places_colliding_hashes_where_a_probe_walks_to_them():
+    """``_place`` puts a whole batch at once: hashes sharing a home (and runs of homes that
+    wrap past the table's end) each land on a distinct record with every record between its
+    home and it taken, so a reader's linear probe reaches it before an empty record."""
+    capacity = 64
+    homes = np.array([5] * 6 + [6, 7, 63, 63, 63, 0, 62, 30], np.int64)
+    placed = _place(homes, capacity)
+    assert len(set(placed.tolist())) == len(homes)
+    taken = set(placed.tolist())
+    for home, record in zip(homes.tolist(), placed.tolist(), strict=True):
+        walk = home
+        while walk != record:
+            assert walk in taken, (home, record)
+            walk = (walk + 1) % capacity
+    # the first of a home takes it; the others wait for what 6 and 7 took in the same round
+    assert placed[homes == 5].tolist() == [5, 8, 9, 10, 11, 12]
+    assert placed[-1] == 30
