@@ -18,6 +18,10 @@ MIX_KEYS = (
     "store_control_us",
     "block_ops_per_s",
     "mix_requests_per_s",
+    "round_trip_hot_us",
+    "round_trip_idle_us",
+    "index_probe_hot_us",
+    "index_probe_idle_us",
 )
 
 

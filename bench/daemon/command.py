@@ -30,6 +30,10 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   ``memcpy_disk_busy_gbps`` is the same memcpy while a thread keeps the disk writing
   (``disk_writing``): on a small machine the disk's traffic slows every copy, and this is
   the ceiling for a store made while the disk drains;
+* ``round_trip_hot_us``/``round_trip_idle_us`` and ``index_probe_hot_us``/``index_probe_idle_us``
+  (``floors``): this machine's own cost of a round trip between two processes and of a probe of
+  a ``--hashes`` lookup index, back to back and after an idle pause such as the paced clients
+  take between requests; on a VM the idle ones are several times the others;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
   with full-size lookups (heavy calls run on worker threads, so they must not stall it);
 * ``small_lookup_p99_slow_remote_ms``: the same small host-hit lookup, one every 5 ms, its
@@ -56,6 +60,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.bench.daemon.floors import idle_floors
 from kvtier.bench.daemon.mix import MixPlan, mix_figures, store_control_us
 from kvtier.bench.daemon.probes import (
     SIGNATURE,
@@ -280,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             daemon.terminate()
             daemon.wait(30)
         raw_write, _, how = raw_disk_gbps(str(root), burst * block_bytes)
+        floors = idle_floors(args.hashes)
         src = torch.randint(0, 256, (burst // 2, block_bytes), dtype=torch.uint8)
         dst = src.clone()
         with disk_writing(str(root)):
@@ -293,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_client": args.rate,
         **mix,
         "store_control_us": control_us,
+        **floors,
         **lookups,
         "rpc_floor_p50_ms": floor_ms,
         "lookup_vs_floor": lookups["lookup_p50_ms"] / floor_ms,
