@@ -81,8 +81,9 @@ class DiskTierLike(Protocol):
 
     def get_meta(self, block_hash: BlockHash) -> bytes | None: ...
 
-    def put(self, block_hash: BlockHash, data: Any, meta: bytes = b"") -> None:
-        """Stores a copy of ``data`` (taken before returning)."""
+    def put(self, block_hash: BlockHash, data: Any, meta: bytes = b"", shed: bool = True) -> bool:
+        """Stores a copy of ``data`` (taken before returning); False if it dropped the block
+        instead (with ``shed``, when the disk is too far behind)."""
 
     def write_behind(
         self, block_hash: BlockHash, data: Any, meta: bytes = b"", on_done: DoneFn | None = None

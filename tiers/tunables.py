@@ -37,6 +37,12 @@ class TierTunables:
     disk_pool_batches: int = 2
     """Batches of returned put buffers the disk tier keeps warm, so a burst allocates none."""
 
+    disk_put_backlog_bytes: int = 256 << 20
+    """Most bytes of ``put`` copies waiting for the disk writer. A put beyond it drops its block
+    (counted in ``blocks_dropped``): callers that outpace the device for long would otherwise
+    grow the daemon's memory by a block's copy each, and they cannot wait instead (the host
+    tier puts under its lock, which the writer's write-behind callbacks take)."""
+
     disk_map_floor_bytes: int = 64 << 20
     """Smallest LMDB map: address space only (the file grows as used), and room for a small
     tier's meta pages."""

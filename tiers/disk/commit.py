@@ -92,6 +92,8 @@ class DiskState:
     counters: TierCounters
     failures: RateLimitedLog
     pending: dict[bytes, Pending] = field(default_factory=dict)
+    copied_bytes: int = 0
+    """Bytes of ``put`` copies in ``pending`` (``DiskTier.put`` bounds them)."""
 
 
 class BatchCommitter:

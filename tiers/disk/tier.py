@@ -35,6 +35,7 @@ from kvtier.tiers.disk.recovery import open_state, plan
 from kvtier.tiers.disk.slots import DATA_FILE
 from kvtier.tiers.disk.writer import DiskWriter, Flush
 from kvtier.tiers.hashing import check_hash
+from kvtier.tiers.tunables import TUNABLES
 
 __all__ = ["DATA_FILE", "MAX_META_BYTES", "DiskTier"]
 
@@ -240,18 +241,32 @@ class DiskTier:
 
     # ---- writers (any thread) ----
 
-    def put(self, block_hash: bytes, data: Any, meta: bytes = b"") -> None:
-        """Stores a copy of ``data`` (a C-contiguous buffer of ``block_bytes``) and ``meta``.
+    def put(self, block_hash: bytes, data: Any, meta: bytes = b"", shed: bool = True) -> bool:
+        """Stores a copy of ``data`` (a C-contiguous buffer of ``block_bytes``) and ``meta``;
+        False if the block was dropped instead.
 
         The bytes are copied before this returns and are readable at once; the writer thread
         commits them later (``flush`` waits for that). A block already held is left as it is.
-        Raises ``RuntimeError`` once the tier is closed.
+        With ``shed``, a put that finds ``disk_put_backlog_bytes`` of copies already waiting
+        for the writer drops its block (counted in ``blocks_dropped``) rather than grow memory
+        or wait. Raises ``RuntimeError`` once the tier is closed.
         """
         src, meta = check_block(block_hash, data, meta, self.block_bytes)
         with self._lock:
             self._check_open()
+            if shed and self._s.copied_bytes + self.block_bytes > TUNABLES.disk_put_backlog_bytes:
+                if block_hash in self._s.pending:
+                    return True
+                self.counters.blocks_dropped += 1
+                self._s.failures.warning(
+                    "backlog",
+                    "disk tier %s: %d MiB of copies wait for the device; a block was dropped",
+                    self._s.path,
+                    self._s.copied_bytes >> 20,
+                )
+                return False
         if self.contains(block_hash):
-            return
+            return True
         # Our one copy of the payload, into a page-aligned buffer that the writer hands to
         # O_DIRECT as it is.
         buf = self._s.pool.acquire()
@@ -261,10 +276,12 @@ class DiskTier:
             self._check_open()
             if block_hash not in self._s.pending:
                 self._s.pending[block_hash] = Pending(view, buf, meta, None)
+                self._s.copied_bytes += self.block_bytes
                 self._writer.submit(PUT, block_hash)
-                return
+                return True
         view.release()
         self._s.pool.release(buf)
+        return True
 
     def write_behind(
         self,

@@ -68,6 +68,7 @@ class DiskWriter:
         self._drained = state.drained
         self._pending = state.pending
         self._pool = state.pool
+        self._state = state
         self._failures = state.failures
         self._counters = state.counters
         self._batch_blocks = batch_blocks
@@ -212,6 +213,7 @@ class DiskWriter:
                     self._drained.wait()
                 if pending.buf is not None:
                     self._pool.release(pending.buf)
+                    self._state.copied_bytes -= self._state.block_bytes
                 self._counters.blocks_dropped += not ok
                 callbacks += pending.callbacks
         return callbacks

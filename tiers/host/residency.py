@@ -79,8 +79,8 @@ class Residency:
         for slot, victim, meta in victims:
             if lower is not None and victim not in below:
                 if self._admission.writes_down(victim):
-                    lower.put(victim, self._slab[slot], meta)
-                    self._counters.blocks_spilled += 1
+                    # dropped (and counted there) when the disk is far behind
+                    self._counters.blocks_spilled += lower.put(victim, self._slab[slot], meta)
                 else:
                     self._counters.blocks_kept_off_disk += 1
             self._counters.blocks_evicted += 1

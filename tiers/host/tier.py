@@ -377,7 +377,8 @@ class HostTier:
 
     def spill_all(self) -> int:
         """Copies every committed block the disk tier lacks into it (graceful shutdown),
-        if the admission policy sends it down. Returns how many; the slots stay valid."""
+        if the admission policy sends it down. Returns how many; the slots stay valid.
+        None is shed for the disk's backlog: these copies are bounded by this tier's size."""
         if self.lower is None:
             return 0
         spilled = 0
@@ -386,7 +387,8 @@ class HostTier:
             below = self.lower.holding(list(table.index))
             for block_hash, slot in list(table.index.items()):
                 if table.state[slot] == READY and block_hash not in below and down(block_hash):
-                    self.lower.put(block_hash, self._slab_np[slot], table.meta.get(slot, b""))
+                    meta = table.meta.get(slot, b"")
+                    self.lower.put(block_hash, self._slab_np[slot], meta, shed=False)
                     spilled += 1
             self.counters.blocks_spilled += spilled
         return spilled
