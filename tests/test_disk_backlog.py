@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import xxhash
 
-from kvtier.tiers.disk import tier as disk_tier
+from kvtier.tiers.disk import commit
 from kvtier.tiers.disk.tier import DiskTier
 from kvtier.tiers.disk.writer import DiskWriter
 from kvtier.tiers.host.tier import HostTier
@@ -33,7 +33,7 @@ def held_writer(monkeypatch) -> threading.Event:
     """Keeps the writer from committing (so no put's copy is retired) until the event is set,
     and bounds the backlog at ``BACKLOG`` blocks."""
     monkeypatch.setattr(
-        disk_tier, "TUNABLES", replace(TUNABLES, disk_put_backlog_bytes=BACKLOG * BLOCK)
+        commit, "TUNABLES", replace(TUNABLES, disk_put_backlog_bytes=BACKLOG * BLOCK)
     )
     release = threading.Event()
     process = DiskWriter._process

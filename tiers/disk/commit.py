@@ -26,6 +26,7 @@ from kvtier.tiers.disk.index import FORMAT_VERSION, MAX_META_BYTES, BlockIndex, 
 from kvtier.tiers.disk.slots import PAGE, BufferPool, SlotFile, SlotTable
 from kvtier.tiers.hashing import check_hash
 from kvtier.tiers.ratelog import RateLimitedLog
+from kvtier.tiers.tunables import TUNABLES
 
 # Queue operations; the ones below FLUSH change the database.
 PUT, TOUCH, DROP, FLUSH, STOP = range(5)
@@ -94,6 +95,20 @@ class DiskState:
     pending: dict[bytes, Pending] = field(default_factory=dict)
     copied_bytes: int = 0
     """Bytes of ``put`` copies in ``pending`` (``DiskTier.put`` bounds them)."""
+
+    def shed(self) -> bool:
+        """With ``lock`` held: whether one more ``put`` copy would pass
+        ``disk_put_backlog_bytes``; if so it counts and logs the block dropped."""
+        if self.copied_bytes + self.block_bytes <= TUNABLES.disk_put_backlog_bytes:
+            return False
+        self.counters.blocks_dropped += 1
+        self.failures.warning(
+            "backlog",
+            "disk tier %s: %d MiB of copies wait for the device; a block was dropped",
+            self.path,
+            self.copied_bytes >> 20,
+        )
+        return True
 
 
 class BatchCommitter:

@@ -35,7 +35,6 @@ from kvtier.tiers.disk.recovery import open_state, plan
 from kvtier.tiers.disk.slots import DATA_FILE
 from kvtier.tiers.disk.writer import DiskWriter, Flush
 from kvtier.tiers.hashing import check_hash
-from kvtier.tiers.tunables import TUNABLES
 
 __all__ = ["DATA_FILE", "MAX_META_BYTES", "DiskTier"]
 
@@ -243,32 +242,18 @@ class DiskTier:
 
     def put(self, block_hash: bytes, data: Any, meta: bytes = b"", shed: bool = True) -> bool:
         """Stores a copy of ``data`` (a C-contiguous buffer of ``block_bytes``) and ``meta``;
-        False if the block was dropped instead.
-
-        The bytes are copied before this returns and are readable at once; the writer thread
-        commits them later (``flush`` waits for that). A block already held is left as it is.
-        With ``shed``, a put that finds ``disk_put_backlog_bytes`` of copies already waiting
-        for the writer drops its block (counted in ``blocks_dropped``) rather than grow memory
-        or wait. Raises ``RuntimeError`` once the tier is closed.
-        """
+        False if it dropped the block instead, as ``shed`` lets it when the writer is far behind
+        (``DiskState.shed``). The copy is made before this returns and is readable at once; the
+        writer commits it later (``flush`` waits for that). A block already held is left as it
+        is. Raises ``RuntimeError`` once the tier is closed."""
         src, meta = check_block(block_hash, data, meta, self.block_bytes)
         with self._lock:
             self._check_open()
-            if shed and self._s.copied_bytes + self.block_bytes > TUNABLES.disk_put_backlog_bytes:
-                if block_hash in self._s.pending:
-                    return True
-                self.counters.blocks_dropped += 1
-                self._s.failures.warning(
-                    "backlog",
-                    "disk tier %s: %d MiB of copies wait for the device; a block was dropped",
-                    self._s.path,
-                    self._s.copied_bytes >> 20,
-                )
+            if shed and block_hash not in self._s.pending and self._s.shed():
                 return False
         if self.contains(block_hash):
             return True
-        # Our one copy of the payload, into a page-aligned buffer that the writer hands to
-        # O_DIRECT as it is.
+        # Our one copy of the payload: page-aligned, the writer hands it to O_DIRECT as it is.
         buf = self._s.pool.acquire()
         view = memoryview(buf)[: self.block_bytes]
         copy_bytes(view, src)
