@@ -44,13 +44,17 @@ def idle_floors(hashes: int) -> dict[str, float]:
         [sys.executable, "-c", _ECHO, str(theirs.fileno())], pass_fds=(theirs.fileno(),)
     )
     theirs.close()
+    mine.settimeout(30)  # an echo process that hangs fails the bench instead of holding it
     try:
 
         def round_trip() -> None:
             mine.sendall(b"x" * 64)
             got = 0
             while got < 64:
-                got += len(mine.recv(64 - got))
+                data = mine.recv(64 - got)
+                if not data:
+                    raise RuntimeError("the echo process ended")
+                got += len(data)
 
         figures.update(_hot_and_idle("round_trip", round_trip))
     finally:
