@@ -46,13 +46,7 @@ MIN_CAPACITY = 1024
 MAX_PROBES = 64
 """A probe that walks this far finds the table badly clustered: it answers a miss."""
 _RETIRED_AT = 24
-_EMPTY = bytes(HASH_BYTES)
-"""A never-used record's hash."""
-
-
-def _record_at(record: int) -> int:
-    """Where ``record`` starts in the file."""
-    return HEADER_BYTES + record * RECORD_BYTES
+_HASH_WORDS = struct.Struct("<QQ")
 
 
 def _capacity_for(blocks: int) -> int:
@@ -81,7 +75,7 @@ def _bucket(key: bytes, capacity: int) -> int:
     numpy's per-call cost (about 10 µs for a one-row array) would be most of a commit's."""
     if capacity <= 1:
         return 0
-    low, high = int.from_bytes(key[:8], "little"), int.from_bytes(key[8:], "little")
+    low, high = _HASH_WORDS.unpack(key)
     mixed = ((low ^ (high * _MIX & _WORD)) * _MIX) & _WORD
     return mixed >> (64 - (capacity.bit_length() - 1))
 
@@ -175,6 +169,9 @@ class LookupIndexWriter:
         table.words[records, :2] = words
         table.tiers[records] = bits
         self._map, self._table, self._used = mapped, table, len(keys)
+        taken = np.zeros(capacity, np.uint8)
+        taken[records] = 1
+        self._taken = bytearray(taken.tobytes())
         self._slots = dict(zip(keys, records.tolist(), strict=True))
         os.replace(fresh, self.path)
         if old_map is not None:
@@ -184,14 +181,16 @@ class LookupIndexWriter:
         self._fd = fd
 
     def _insert(self, key: bytes) -> int:
-        """Writes ``key`` into the first never-used record from its home; returns the record."""
-        mapped, capacity = self._map, self._table.capacity
-        record = _bucket(key, capacity)
-        at = _record_at(record)
-        while mapped[at : at + HASH_BYTES] != _EMPTY:
-            record = (record + 1) & (capacity - 1)
-            at = _record_at(record)
-        mapped[at : at + HASH_BYTES] = key
+        """Writes ``key`` into the first never-used record from its home; returns the record.
+        (``_taken`` mirrors which records hold a hash: reading it costs less than comparing
+        the file's bytes, and the writer is the daemon's per-block work.)"""
+        taken, mask = self._taken, self._table.capacity - 1
+        record = _bucket(key, self._table.capacity)
+        while taken[record]:
+            record = (record + 1) & mask
+        taken[record] = 1
+        at = HEADER_BYTES + record * RECORD_BYTES
+        self._map[at : at + HASH_BYTES] = key
         self._used += 1
         return record
 
@@ -216,7 +215,7 @@ class LookupIndexWriter:
                 if 2 * (self._used + 1) > self._table.capacity:
                     self._rebuild()
                 record = self._slots[block_hash] = self._insert(block_hash)
-            at = _record_at(record) + _TIERS_AT
+            at = HEADER_BYTES + record * RECORD_BYTES + _TIERS_AT
             bits = self._map[at]
             self._map[at] = bits | tier if held else bits & ~tier
 
