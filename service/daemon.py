@@ -169,14 +169,22 @@ class Daemon:
     # ---- blocks ----
 
     def lookup(
-        self, session_id: str, hashes: Sequence[bytes], peer: str = "", memory_only: bool = False
+        self,
+        session_id: str,
+        hashes: Sequence[bytes],
+        peer: str = "",
+        memory_only: bool = False,
+        probed_host: int | None = None,
     ) -> LowerHits | None:
         """Blocking when the disk or remote tier is asked; with ``memory_only`` never, and
         None (nothing done) where they would be.
 
         The host hits are held for the session for ``lookup_hold_s`` (within its share of
         the slots), so that the acquire that follows finds them where this answer says they
-        are, however busy the host tier is meanwhile.
+        are, however busy the host tier is meanwhile. ``probed_host``: the host hits the
+        client's index probe already promised its engine (this call being its notice). No
+        more are held: a block stored since the probe was promised to nobody, and holding it
+        would only keep it from eviction. Those no longer here are counted: they cannot be.
         """
         session = self.sessions.get(session_id, peer)
         store = self._store(session)
@@ -185,6 +193,12 @@ class Daemon:
         if found is None:
             return None
         hits, pinned = found
+        if probed_host is not None:
+            if probed_host > hits.host:
+                self.sessions.count_missed(session.layout, probed_host - hits.host)
+            if len(pinned) > probed_host:
+                store.release([slot for _, slot in pinned[probed_host:]])
+                pinned = pinned[:probed_host]
         if pinned:
             until = time.monotonic() + self.config.lookup_hold_s
             back = self.sessions.add_holds(session_id, pinned, until, self.slot_quota(store))
@@ -336,6 +350,7 @@ class Daemon:
                     "holds_refused": self.sessions.holds_refused[store.signature],
                     "holds_expired": self.sessions.holds_expired[store.signature],
                     "holds_yielded": self.sessions.holds_yielded[store.signature],
+                    "holds_missed": self.sessions.holds_missed[store.signature],
                     **self._pin_stats(store.signature),
                 }
             )

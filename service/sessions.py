@@ -111,6 +111,13 @@ class SessionTable:
         """Per layout, holds that reached their deadline before an acquire ended them."""
         self.holds_yielded: Counter[bytes] = Counter()
         """Per layout, holds ended early to give a promotion a slot."""
+        self.holds_missed: Counter[bytes] = Counter()
+        """Per layout, host hits a client's index probe promised that its lookup's call, which
+        holds them, no longer found in the host tier (evicted in between)."""
+
+    def count_missed(self, layout: bytes, hits: int) -> None:
+        with self._lock:
+            self.holds_missed[layout] += hits
 
     def __len__(self) -> int:
         with self._lock:

@@ -167,3 +167,63 @@ def test_two_lookups_of_a_prefix_hold_it_for_two_acquires(daemon):
     assert daemon.stats().layouts[0].held_slots == 0
     scheduler.close()
     worker.close()
+
+
+def test_host_hits_a_probe_promised_and_lost_before_its_notice_are_counted(daemon):
+    """A scheduler answers a lookup from the lookup index and tells the daemon with a call
+    nobody waits for, which holds the host hits. Where the host tier evicts them before that
+    call arrives, they cannot be held: the daemon counts them (``holds_missed``), so that its
+    statistics account for every host hit an engine was promised and then read from disk."""
+    writer = daemon.client(client_name="writer")
+    scheduler = daemon.client(client_name="sched", lookup_index=True)
+    prefix = [block_hash("missed", i) for i in range(8)]
+    assert store(writer, prefix) == prefix
+    wait_until(lambda: daemon.stats().layouts[0].writing_behind == 0, "the disk writes")
+    notices = []
+    calls = scheduler._lookups
+    send, calls._notify = calls._notify, notices.append  # the call, held back until sent below
+    assert scheduler.lookup(prefix).host == len(prefix)
+    (notice,) = notices
+    flood(writer, "missed-flood", 4 * HOST_SLOTS)  # the prefix is on disk alone now
+    send(notice)
+    wait_until(lambda: daemon.stats().layouts[0].holds_missed == len(prefix), "the late notice")
+    layout = daemon.stats().layouts[0]
+    assert (layout.held_slots, layout.holds_refused) == (0, 0)
+    # A notice that finds its hits holds them and counts none missed.
+    again = [block_hash("kept", i) for i in range(4)]
+    assert store(writer, again) == again
+    assert scheduler.lookup(again).host == len(again)
+    (notice,) = notices[1:]
+    send(notice)
+    wait_until(lambda: daemon.stats().layouts[0].held_slots == len(again), "the notice's holds")
+    assert daemon.stats().layouts[0].holds_missed == len(prefix)
+    writer.close()
+    scheduler.close()
+
+
+def test_a_notice_holds_no_host_hit_its_probe_did_not_promise(daemon):
+    """A probe that found nothing (a new prompt) still sends its call; where that call arrives
+    after the prompt's own blocks were stored, it must not hold them: nobody was promised
+    them, and a hold would keep them from eviction for ``lookup_hold_s``."""
+    writer = daemon.client(client_name="writer")
+    scheduler = daemon.client(client_name="sched", lookup_index=True)
+    prompt = [block_hash("late", i) for i in range(4)]
+    notices = []
+    calls = scheduler._lookups
+    send, calls._notify = calls._notify, notices.append  # the call, held back until sent below
+    assert scheduler.lookup(prompt).total == 0
+    (notice,) = notices
+    assert store(writer, prompt) == prompt  # the prompt ran and was stored meanwhile
+    host = next(t for t in daemon.stats().tiers if t.tier == "host")
+    send(notice)
+    wait_until(
+        lambda: (
+            next(t for t in daemon.stats().tiers if t.tier == "host").query_tokens
+            > host.query_tokens
+        ),
+        "the late notice",
+    )
+    layout = daemon.stats().layouts[0]
+    assert (layout.held_slots, layout.holds_missed, layout.holds_refused) == (0, 0, 0)
+    writer.close()
+    scheduler.close()

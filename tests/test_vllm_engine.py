@@ -212,7 +212,9 @@ def tier_reads(stats: dict) -> dict[str, int]:
         "host": tiers["host"]["blocks_loaded"] - promoted,
         "disk": promoted,
         # Host hits not held for their acquire: the daemon may have read those from disk.
-        "unheld": layout["holds_refused"] + layout["holds_expired"] + layout["holds_yielded"],
+        "unheld": sum(
+            layout[f"holds_{why}"] for why in ("refused", "expired", "yielded", "missed")
+        ),
     }
 
 

@@ -12,7 +12,9 @@ counts it in its per-tier hit statistics, its host tier marks the hits recently 
 admission policy sees the hashes looked up, and it holds the host hits for the acquire
 (``lookup_hold_s``), all as before. Only the caller no longer waits for the call, nor sends
 it: a thread of the client's does (sending a 1,000-hash call costs the sender about 0.2 ms,
-four times the probe).
+four times the probe). The call says how many host hits the probe promised: the daemon holds
+no more (the call may arrive after the request's own blocks were stored), and counts those
+evicted before it arrived (``holds_missed``), which it could not hold.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.lower import LowerHits
 
 Failed = Callable[[str, grpc.RpcError, str | None], None]
+Notice = tuple[str, list[BlockHash], np.ndarray]
+"""A lookup the index answered: session, hashes, and where the probe said the host holds them."""
 
 
 class LookupCalls:
@@ -62,7 +66,7 @@ class LookupCalls:
         self._calls: set[grpc.Future] = set()  # Lookup calls not answered yet
         self._index: LookupIndexReader | None = None
         self._index_session: str | None = None
-        self._notices: queue.SimpleQueue[tuple[str, list[BlockHash]] | None] = queue.SimpleQueue()
+        self._notices: queue.SimpleQueue[Notice | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._closed = False
         self.probed = 0
@@ -71,13 +75,14 @@ class LookupCalls:
     def ask(self, session: str, hashes: list[BlockHash]) -> Future[LowerHits]:
         """The prefix of ``hashes`` the daemon's tiers hold; the future never raises."""
         result: Future[LowerHits] = Future()
-        hits = self._probe(session, hashes)
-        if hits is None:
+        probed = self._probe(session, hashes)
+        if probed is None:
             self._call(session, hashes, 0, LowerHits(), result)
             return result
+        hits, on_host = probed
         self.probed += 1
         result.set_result(hits)
-        self._notify(session, hashes)
+        self._notify((session, hashes, on_host))
         return result
 
     def close(self) -> None:
@@ -90,7 +95,7 @@ class LookupCalls:
         if self._index is not None:
             self._index.close()
 
-    def _notify(self, session: str, hashes: list[BlockHash]) -> None:
+    def _notify(self, notice: Notice) -> None:
         """Queues the call of a lookup the index answered, for the sender thread."""
         with self._lock:
             if self._closed:
@@ -100,11 +105,12 @@ class LookupCalls:
                     target=self._send_notices, name="kvtier-lookup-calls", daemon=True
                 )
                 self._sender.start()
-        self._notices.put((session, hashes))
+        self._notices.put(notice)
 
     def _send_notices(self) -> None:
         while (notice := self._notices.get()) is not None:
-            self._call(*notice, 0, LowerHits(), Future())
+            session, hashes, on_host = notice
+            self._call(session, hashes, 0, LowerHits(), Future(), on_host)
 
     def end(self) -> None:
         """The breaker opened: lookups still waiting are misses now, not at their deadline
@@ -114,8 +120,9 @@ class LookupCalls:
         for call in calls:
             call.cancel()
 
-    def _probe(self, session: str, hashes: list[BlockHash]) -> LowerHits | None:
-        """The index's answer, or None where only a call can answer."""
+    def _probe(self, session: str, hashes: list[BlockHash]) -> tuple[LowerHits, np.ndarray] | None:
+        """The index's answer and where it says the host tier holds the hit, or None where
+        only a call can answer."""
         if not self._use_index:
             return None
         if self._index_session != session:
@@ -131,15 +138,25 @@ class LookupCalls:
         held = int(misses[0]) if len(misses) else len(hashes)
         if held < len(hashes) and self._index.has_remote:
             return None
-        host = int(np.count_nonzero(bits[:held] & HOST))
-        return LowerHits(host=host, disk=held - host)
+        on_host = (bits[:held] & HOST) != 0
+        host = int(np.count_nonzero(on_host))
+        return LowerHits(host=host, disk=held - host), on_host
 
     def _call(
-        self, session: str, hashes: list[BlockHash], start: int, hits: LowerHits, result: Future
+        self,
+        session: str,
+        hashes: list[BlockHash],
+        start: int,
+        hits: LowerHits,
+        result: Future,
+        on_host: np.ndarray | None = None,
     ) -> None:
-        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback."""
+        """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback;
+        ``on_host``: a notice's probe, where it said the host tier holds the hit."""
         chunk = hashes[start : start + self._keeper.limits.max_hashes]
         request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
+        if on_host is not None:
+            request.probed_host = int(np.count_nonzero(on_host[start : start + len(chunk)]))
         call = self._stub.Lookup.future(request, timeout=self._timeout_s, metadata=self._metadata)
         with self._lock:
             self._calls.add(call)
@@ -161,6 +178,6 @@ class LookupCalls:
             if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
                 result.set_result(hits)
             else:
-                self._call(session, hashes, end, hits, result)
+                self._call(session, hashes, end, hits, result, on_host)
 
         call.add_done_callback(answered)

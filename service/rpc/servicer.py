@@ -176,14 +176,15 @@ class KvTierServicer(pb_grpc.KvTierServicer):
     @unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
         peer = session_peer(context)
+        probed = request.probed_host if request.HasField("probed_host") else None
         hits = None
         if not _heavy(request.hashes):
-            hits = self.daemon.lookup(
-                request.session_id, self._hashes(request), peer, memory_only=True
-            )
+            hits = self.daemon.lookup(request.session_id, self._hashes(request), peer, True, probed)
         if hits is None:
             hits = await self._run(
-                lambda: self.daemon.lookup(request.session_id, self._hashes(request), peer),
+                lambda: self.daemon.lookup(
+                    request.session_id, self._hashes(request), peer, probed_host=probed
+                ),
                 pool=self._lookups,
             )
         return pb.LookupResponse(host=hits.host, disk=hits.disk, remote=hits.remote)

@@ -93,6 +93,7 @@ class StatsCollector(Collector):
             ("holds_refused", "Host hits a lookup answered beyond the session's share of holds"),
             ("holds_expired", "Lookup holds that reached their deadline before an acquire"),
             ("holds_yielded", "Lookup holds ended early to give a promotion a slot"),
+            ("holds_missed", "Host hits an index probe promised, evicted before its lookup came"),
         ):
             family = CounterMetricFamily(f"kvtier_lookup_{name}", help_text, labels=["layout"])
             for layout in stats["layouts"]:
