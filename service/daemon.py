@@ -182,9 +182,8 @@ class Daemon:
         The host hits are held for the session for ``lookup_hold_s`` (within its share of
         the slots), so that the acquire that follows finds them where this answer says they
         are, however busy the host tier is meanwhile. ``probed_host``: the host hits the
-        client's index probe already promised its engine (this call being its notice). No
-        more are held: a block stored since the probe was promised to nobody, and holding it
-        would only keep it from eviction. Those no longer here are counted: they cannot be.
+        client's index probe promised (this call is its notice); no more are held (a block
+        stored since was promised to nobody), and those gone since are counted.
         """
         session = self.sessions.get(session_id, peer)
         store = self._store(session)

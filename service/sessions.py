@@ -25,25 +25,10 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.service.session_errors import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.tunables import TUNABLES
 
 RESERVE, ACQUIRE = "reserve", "acquire"
-
-
-class SessionError(LookupError):
-    """The session does not exist (never opened, closed, or lapsed)."""
-
-
-class OwnershipError(PermissionError):
-    """A slot named in a call is not held by the calling session in the needed way."""
-
-
-class SessionLimit(RuntimeError):
-    """Too many sessions are open."""
-
-
-class CallCancelled(RuntimeError):
-    """The client cancelled this call before it ran."""
 
 
 @dataclass(slots=True)

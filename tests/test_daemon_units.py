@@ -10,15 +10,13 @@ from kvtier.service import config
 from kvtier.service.arena import Arena, ArenaError
 from kvtier.service.rpc.calls import log_source
 from kvtier.service.rpc.wire import RequestError, check_slots, split_hashes
-from kvtier.service.sessions import (
-    ACQUIRE,
-    RESERVE,
+from kvtier.service.session_errors import (
     CallCancelled,
     OwnershipError,
     SessionError,
     SessionLimit,
-    SessionTable,
 )
+from kvtier.service.sessions import ACQUIRE, RESERVE, SessionTable
 from kvtier.tiers.host.tier import NO_SPACE
 
 

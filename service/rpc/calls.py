@@ -18,7 +18,7 @@ from kvtier.service.arena import ArenaError
 from kvtier.service.events import TooManyWatchers
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError
-from kvtier.service.sessions import CallCancelled, OwnershipError, SessionError, SessionLimit
+from kvtier.service.session_errors import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.stats.metrics import Metrics
 from kvtier.service.store import LayoutRefused
 

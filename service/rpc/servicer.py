@@ -36,7 +36,7 @@ from kvtier.service.rpc import slot_ops, watch
 from kvtier.service.rpc.calls import REFUSALS, log_source, session_peer, status_of, unary
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError, check_hash, check_slots, split_hashes
-from kvtier.service.sessions import OwnershipError, SessionError
+from kvtier.service.session_errors import OwnershipError, SessionError
 from kvtier.service.stats.metrics import Metrics
 from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.ratelog import RateLimitedLog
