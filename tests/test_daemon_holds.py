@@ -4,6 +4,8 @@ slots become evictable again) at the acquire, at its deadline, or with the sessi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -169,6 +171,15 @@ def test_two_lookups_of_a_prefix_hold_it_for_two_acquires(daemon):
     worker.close()
 
 
+def held_back_notices(client) -> tuple[list, Callable]:
+    """Keeps the calls ``client``'s index-answered lookups send (their notices) in a list
+    instead of sending them; returns it and what sends one."""
+    notices: list = []
+    calls = client._lookups
+    send, calls._notify = calls._notify, notices.append
+    return notices, send
+
+
 def test_host_hits_a_probe_promised_and_lost_before_its_notice_are_counted(daemon):
     """A scheduler answers a lookup from the lookup index and tells the daemon with a call
     nobody waits for, which holds the host hits. Where the host tier evicts them before that
@@ -179,9 +190,7 @@ def test_host_hits_a_probe_promised_and_lost_before_its_notice_are_counted(daemo
     prefix = [block_hash("missed", i) for i in range(8)]
     assert store(writer, prefix) == prefix
     wait_until(lambda: daemon.stats().layouts[0].writing_behind == 0, "the disk writes")
-    notices = []
-    calls = scheduler._lookups
-    send, calls._notify = calls._notify, notices.append  # the call, held back until sent below
+    notices, send = held_back_notices(scheduler)
     assert scheduler.lookup(prefix).host == len(prefix)
     (notice,) = notices
     flood(writer, "missed-flood", 4 * HOST_SLOTS)  # the prefix is on disk alone now
@@ -208,9 +217,7 @@ def test_a_notice_holds_no_host_hit_its_probe_did_not_promise(daemon):
     writer = daemon.client(client_name="writer")
     scheduler = daemon.client(client_name="sched", lookup_index=True)
     prompt = [block_hash("late", i) for i in range(4)]
-    notices = []
-    calls = scheduler._lookups
-    send, calls._notify = calls._notify, notices.append  # the call, held back until sent below
+    notices, send = held_back_notices(scheduler)
     assert scheduler.lookup(prompt).total == 0
     (notice,) = notices
     assert store(writer, prompt) == prompt  # the prompt ran and was stored meanwhile
