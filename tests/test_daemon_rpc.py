@@ -5,20 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import re
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.proto.contract import MIN_BLOCK_BYTES
+from kvtier.service.stats import metrics
 from kvtier.tiers.lower import MAX_META_BYTES
 
 from daemonutil import (
@@ -215,6 +219,31 @@ def test_metrics_and_stats_endpoints(daemon):
     mine = [t["tier"] for t in stats["tiers"] if t["layout"] == layout]
     assert mine == ["host", "disk"]
     assert {"layout": layout, "disk": "ok"}.items() <= stats["layouts"][0].items()
+
+
+def test_every_metric_the_dashboard_charts_is_exported(daemon):
+    """A panel whose query names a metric the daemon does not export draws nothing and warns
+    nobody: every kvtier metric the Grafana dashboard queries is on /metrics."""
+    dashboard = json.loads(
+        (Path(metrics.__file__).parent / "grafana" / "kvtier-dashboard.json").read_text()
+    )
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+        for name in re.findall(r"kvtier_\w+", target["expr"])
+    }
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    exported: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        exported |= {family.name, *(sample.name for sample in family.samples)}
+        if family.type == "counter":
+            exported.add(f"{family.name}_total")
+        if family.type == "histogram":
+            exported |= {f"{family.name}{part}" for part in ("_bucket", "_count", "_sum")}
+    assert "kvtier_lookup_holds_missed_total" in queried
+    assert queried <= exported, sorted(queried - exported)
 
 
 def test_stats_command_prints_the_table(daemon):
