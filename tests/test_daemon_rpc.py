@@ -206,6 +206,8 @@ def test_malformed_input_gets_its_status_and_daemon_keeps_serving(daemon):
 
 
 def test_metrics_and_stats_endpoints(daemon):
+    with daemon.client(client_name="metrics") as client:  # the layout exists from here on
+        assert client.lookup([bytes(16)]).total == 0
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/metrics", timeout=10) as r:
         text = r.read().decode()
         assert r.headers["Content-Type"].startswith("text/plain")
