@@ -188,16 +188,14 @@ class Daemon:
         session = self.sessions.get(session_id, peer)
         store = self._store(session)
         hold = self.config.lookup_hold_s > 0
-        found = store.lookup(hashes, session.block_tokens, hold=hold, memory_only=memory_only)
+        found = store.lookup(
+            hashes, session.block_tokens, hold=hold, at_most=probed_host, memory_only=memory_only
+        )
         if found is None:
             return None
         hits, pinned = found
-        if probed_host is not None:
-            if probed_host > hits.host:
-                self.sessions.count_missed(session.layout, probed_host - hits.host)
-            if len(pinned) > probed_host:
-                store.release([slot for _, slot in pinned[probed_host:]])
-                pinned = pinned[:probed_host]
+        if probed_host is not None and probed_host > hits.host:
+            self.sessions.count_missed(session.layout, probed_host - hits.host)
         if pinned:
             until = time.monotonic() + self.config.lookup_hold_s
             back = self.sessions.add_holds(session_id, pinned, until, self.slot_quota(store))

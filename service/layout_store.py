@@ -126,16 +126,23 @@ class LayoutStore:
         return self.disk is not None or self.remote is not None
 
     def lookup(
-        self, hashes: Sequence[bytes], block_tokens: int, *, hold: bool, memory_only: bool = False
+        self,
+        hashes: Sequence[bytes],
+        block_tokens: int,
+        *,
+        hold: bool,
+        at_most: int | None = None,
+        memory_only: bool = False,
     ) -> tuple[LowerHits, list[tuple[bytes, int]]] | None:
-        """(hits, [(hash, slot)] pinned when ``hold``); see ``HostTier``. Blocking, unless
-        ``memory_only``: then None, having changed nothing, where a tier below must be asked."""
+        """(hits, [(hash, slot)] pinned when ``hold``: the first ``at_most`` host hits if
+        given); see ``HostTier``. Blocking, unless ``memory_only``: then None, having changed
+        nothing, where a tier below must be asked."""
         if memory_only:
-            found = self.host.lookup_in_memory(hashes, hold)
+            found = self.host.lookup_in_memory(hashes, hold, at_most)
             if found is None:
                 return None
         elif hold:
-            found = self.host.lookup_holding(hashes)
+            found = self.host.lookup_holding(hashes, at_most)
         else:
             found = self.host.lookup(hashes), []
         self._count_lookup(len(hashes), found[0], block_tokens)

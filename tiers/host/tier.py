@@ -147,14 +147,14 @@ class HostTier:
         return self._lookup(hashes, hold=False)[0]
 
     def lookup_holding(
-        self, hashes: Sequence[BlockHash]
+        self, hashes: Sequence[BlockHash], at_most: int | None = None
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
-        """``lookup``, and its host hits pinned (as by ``acquire``) in the same critical
-        section: (hits, [(hash, slot)] pinned); give the slots back with ``release``."""
-        return self._lookup(hashes, hold=True)
+        """``lookup``, its host hits (the first ``at_most``) pinned as by ``acquire`` in the
+        same critical section: (hits, [(hash, slot)] pinned); give them back by ``release``."""
+        return self._lookup(hashes, hold=True, at_most=at_most)
 
     def lookup_in_memory(
-        self, hashes: Sequence[BlockHash], hold: bool
+        self, hashes: Sequence[BlockHash], hold: bool, at_most: int | None = None
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]] | None:
         """``lookup`` (``hold`` False) or ``lookup_holding`` (True) when this tier's memory
         alone answers it: every hash is here, or no tier lies below. Otherwise None, having
@@ -170,11 +170,11 @@ class HostTier:
                         return None
                     break
                 resident.append((h, slot))
-            self._mark_read(resident, hold)
-        return LowerHits(host=len(resident)), resident if hold else []
+            pinned = self._mark_read(resident, hold, at_most)
+        return LowerHits(host=len(resident)), pinned
 
     def _lookup(
-        self, hashes: Sequence[BlockHash], hold: bool
+        self, hashes: Sequence[BlockHash], hold: bool, at_most: int | None = None
     ) -> tuple[LowerHits, list[tuple[BlockHash, int]]]:
         check_hashes(hashes)
         hits = LowerHits()
@@ -201,19 +201,21 @@ class HostTier:
                         hits.disk += 1
                 pos += run
             self.admission.looked_up(h for h in hashes[pos:] if h not in table.index)
-            self._mark_read(resident, hold)
+            pinned = self._mark_read(resident, hold, at_most)
         hits.host = len(resident)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
-        return hits, resident if hold else []
+        return hits, pinned
 
-    def _mark_read(self, resident: list[tuple[BlockHash, int]], hold: bool) -> None:
-        """Pins (``hold``) or touches a lookup's host hits, head last; call under the lock."""
-        slots = [slot for _, slot in reversed(resident)]
-        if hold:
-            self._slots.pin_all(slots)
-        else:
-            self._slots.touch_all(slots)
+    def _mark_read(
+        self, resident: list[tuple[BlockHash, int]], hold: bool, at_most: int | None
+    ) -> list[tuple[BlockHash, int]]:
+        """Pins (``hold``: the first ``at_most``, if given) a lookup's host hits and touches
+        the rest, head last; returns those pinned. Call under the lock."""
+        pinned = resident[:at_most] if hold else []
+        self._slots.touch_all([slot for _, slot in reversed(resident[len(pinned) :])])
+        self._slots.pin_all([slot for _, slot in reversed(pinned)])
+        return pinned
 
     @property
     def writing_behind(self) -> int:
