@@ -67,7 +67,16 @@ class Generation:
 class Engine:
     """Runs prompts through ``model`` with its KV in ``stack``'s pool and prefix cache."""
 
-    def __init__(self, model: Decoder, stack: TierStack, *, chunk_blocks: int = 1):
+    def __init__(
+        self,
+        model: Decoder,
+        stack: TierStack,
+        *,
+        chunk_blocks: int = 1,
+        bucketed_decode: bool | None = None,
+    ):
+        """``bucketed_decode`` (default: on a GPU) batches a decode step's attention by key
+        length (``PagedKV.decode_attend_fn``); else each sequence attends alone."""
         if chunk_blocks < 1:
             raise ValueError(f"chunk_blocks must be positive, got {chunk_blocks}")
         want = model.config.kv_layout(stack.layout.block_size)
@@ -82,6 +91,9 @@ class Engine:
         self.namespace = Namespace(model.config.model_id, stack.layout.signature)
         windows = [model.config.window(layer) for layer in range(model.config.num_layers)]
         self.kv = PagedKV(stack.placement, windows)
+        self.bucketed_decode = (
+            model.device.type == "cuda" if bucketed_decode is None else bucketed_decode
+        )
 
     @property
     def chunk_tokens(self) -> int:
@@ -201,7 +213,10 @@ class Engine:
             torch.tensor([b.block_id for b in seq.blocks], dtype=torch.long, device=device)
             for seq in seqs
         ]
-        hidden = self.model.forward(ids, pos_t, self.kv.decode_attend_fn(tables, positions))
+        attend = self.kv.decode_attend_fn(
+            tables, positions, height if self.bucketed_decode else None
+        )
+        hidden = self.model.forward(ids, pos_t, attend)
         logits = self.model.logits(hidden)
         for i, seq in enumerate(seqs):
             seq.last_logits = logits[i]

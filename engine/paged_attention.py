@@ -108,13 +108,19 @@ class PagedKV:
         return attend
 
     def decode_attend_fn(
-        self, block_tables: Sequence[torch.Tensor], positions: Sequence[int]
+        self,
+        block_tables: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        bucket_height: int | None = None,
     ) -> AttendFn:
         """An ``AttendFn`` for one new token of each of several sequences.
 
         Row ``i`` is the token at ``positions[i]`` of the sequence whose blocks are
         ``block_tables[i]``; rows beyond them pad the batch: they write nothing and attend to
-        nothing (their output is zero).
+        nothing (their output is zero). Each row attends alone (a few small kernels per row
+        and layer), or, given ``bucket_height``, with every row whose keys fill the same power
+        of two of blocks, in batches that many rows high (``_Bucket``): a GPU step then
+        launches a few kernels per layer and bucket instead of per row.
         """
         bs = self.layout.block_size
         n = len(block_tables)
@@ -123,10 +129,23 @@ class PagedKV:
             [table[p // bs : p // bs + 1] for table, p in zip(block_tables, positions, strict=True)]
         )
         offsets = torch.tensor([p % bs for p in positions], dtype=torch.long, device=device)
+        spans: dict[int, list[int]] = {}
+        if bucket_height is not None:
+            for i, pos in enumerate(positions):
+                spans.setdefault(1 << (pos // bs).bit_length(), []).append(i)
+        buckets: list[_Bucket] = []
+        for span, rows in spans.items():
+            tables = [block_tables[i] for i in rows]
+            buckets.append(_Bucket(self, tables, [positions[i] for i in rows], span, bucket_height))
+        rows_of = [torch.tensor(rows, device=device) for rows in spans.values()]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self._write_rows(layer, blocks, offsets, k[:n], v[:n])
             out = torch.zeros_like(q)
+            for bucket, rows in zip(buckets, rows_of, strict=True):
+                out.index_copy_(0, rows, bucket.attend(layer, q.index_select(0, rows)))
+            if buckets:
+                return out
             for i, (table, pos) in enumerate(zip(block_tables, positions, strict=True)):
                 keys, values = self.read(layer, table, pos + 1)
                 out[i : i + 1] = causal_attention(
@@ -135,3 +154,61 @@ class PagedKV:
             return out
 
         return attend
+
+
+class _Bucket:
+    """Decode rows whose keys fit ``span`` blocks, attended together in a batch ``height`` rows
+    high (those beyond the rows pad it: they attend to one key and are dropped).
+
+    Every shape here is fixed by ``height`` and ``span`` alone, so a row's bits never depend
+    on which rows share its bucket (a matmul may round differently with its shapes). Keys past
+    a row's position are masked and their values zeroed: a block's unwritten tail holds
+    whatever bytes it last held, which may not even be numbers.
+    """
+
+    def __init__(
+        self,
+        kv: PagedKV,
+        tables: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        span: int,
+        height: int,
+    ):
+        if len(tables) > height:
+            raise ValueError(f"{len(tables)} rows do not fit a bucket {height} rows high")
+        layout = kv.layout
+        bs = layout.block_size
+        device = kv.caches[0].device
+        self.kv = kv
+        self.height = height
+        self.span_tokens = span * bs
+        ids = torch.zeros((height, span), dtype=torch.long, device=device)
+        for r, (table, pos) in enumerate(zip(tables, positions, strict=True)):
+            ids[r, : pos // bs + 1] = table[: pos // bs + 1]
+        self.ids = ids.view(-1)
+        pos = torch.zeros(height, dtype=torch.long, device=device)
+        pos[: len(positions)] = torch.tensor(list(positions), device=device)
+        k_pos = torch.arange(self.span_tokens, device=device)
+        causal = k_pos[None, :] <= pos[:, None]
+        self.valid = {
+            w: causal if w is None else causal & (k_pos[None, :] > pos[:, None] - w)
+            for w in set(kv.windows)
+        }
+        self.rows = len(tables)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """``q`` (``[rows, heads, d]``) attended over its rows' keys: ``[rows, heads, d]``."""
+        layout = self.kv.layout
+        kv_heads, d, h = layout.num_kv_heads, layout.head_size, self.height
+        heads = q.shape[1]
+        pages = self.kv.caches[layer].index_select(0, self.ids)  # [h * span, kvh, bs, 2d]
+        kv = pages.view(h, -1, kv_heads, layout.block_size, 2 * d).transpose(1, 2)
+        kv = kv.reshape(h, kv_heads, self.span_tokens, 2 * d)
+        valid = self.valid[self.kv.windows[layer]]
+        values = torch.where(valid[:, None, :, None], kv[..., d:], 0)
+        padded = torch.cat([q, q[:1].expand(h - self.rows, -1, -1)])
+        qh = padded.view(h, kv_heads, heads // kv_heads, d)
+        scores = torch.matmul(qh, kv[..., :d].transpose(-1, -2)).float() * (1.0 / math.sqrt(d))
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(h, heads, d)[: self.rows]
