@@ -22,6 +22,7 @@ from kvtier.service.layout_store import LayoutStore
 from kvtier.service.pins import LayoutPins, PinResult
 from kvtier.service.rpc.wire import check_hash, invalid
 from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
+from kvtier.service.stats.snapshot import snapshot
 from kvtier.service.store import BlockStore
 from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.lower import MAX_META_BYTES, NO_SPACE, LowerHits
@@ -50,7 +51,7 @@ class Daemon:
         self.daemon_id = uuid.uuid4().hex
         self.fence = Fence(self._give_back)
         self.pins: dict[bytes, LayoutPins] = {}
-        self._started = time.monotonic()
+        self.started = time.monotonic()
 
     # ---- sessions ----
 
@@ -244,13 +245,21 @@ class Daemon:
         self._store(session).abort(slots)
 
     def acquire(
-        self, session_id: str, hashes: Sequence[bytes], call_id: int = 0, peer: str = ""
-    ) -> tuple[list[int], LowerHits]:
-        """Blocking: may promote disk hits into host slots. Within the session's quota."""
+        self,
+        session_id: str,
+        hashes: Sequence[bytes],
+        call_id: int = 0,
+        peer: str = "",
+        memory_only: bool = False,
+    ) -> tuple[list[int], LowerHits] | None:
+        """Blocking: may promote disk hits into host slots; with ``memory_only`` never, and
+        None (nothing taken) where it would. Within the session's quota."""
         session = self.sessions.begin_call(session_id, call_id, peer)
         store = self._store(session)
         room = max(0, self.slot_quota(store) - session.acquired.total())
-        slots, sources = store.acquire(hashes[:room])
+        if (found := store.acquire(hashes[:room], memory_only)) is None:
+            return None  # the call stays registered as running: its blocking retry ends it
+        slots, sources = found
         held = self.sessions.take_holds(session_id, hashes)
         if held:  # the acquire pinned them itself
             store.release(held)
@@ -316,65 +325,9 @@ class Daemon:
 
     def stats(self) -> dict:
         """A snapshot of every counter, as plain values (for gRPC, JSON and Prometheus)."""
-        held = self.fence.held()
-        tiers, layouts = [], []
-        for store in self.store.layouts():
-            sessions, reserved, acquired, holds = self.sessions.held(store.signature)
-            quarantined = sum(
-                len(left.reserved) + len(left.acquired)
-                for left in held
-                if left.layout == store.signature
-            )
-            for counters in store.tier_counters():
-                tier = {**counters.as_dict(), "layout": store.hex}
-                age = store.oldest_block_age_s(counters.tier)
-                if age is not None:
-                    tier["oldest_block_age_s"] = age
-                tiers.append(tier)
-            layouts.append(
-                {
-                    "layout": store.hex,
-                    "slot_bytes": store.block_bytes,
-                    "num_slots": store.num_slots,
-                    "arena_path": str(store.arena.path),
-                    "disk": store.disk_state,
-                    "sessions": sessions,
-                    "reserved_slots": reserved,
-                    "acquired_slots": acquired,
-                    "quarantined_slots": quarantined,
-                    "writing_behind": store.host.writing_behind,
-                    "held_slots": holds,
-                    "holds_refused": self.sessions.holds_refused[store.signature],
-                    "holds_expired": self.sessions.holds_expired[store.signature],
-                    "holds_yielded": self.sessions.holds_yielded[store.signature],
-                    "holds_missed": self.sessions.holds_missed[store.signature],
-                    **self._pin_stats(store.signature),
-                }
-            )
-        sessions, reserved, acquired, _ = self.sessions.held()
-        return {
-            "tiers": tiers,
-            "layouts": layouts,
-            "sessions": sessions,
-            "reserved_slots": reserved,
-            "acquired_slots": acquired,
-            "quarantined_slots": sum(layout["quarantined_slots"] for layout in layouts),
-            "uptime_s": time.monotonic() - self._started,
-            "events_dropped": self.events.dropped,
-            "watchers": len(self.events),
-        }
+        return snapshot(self)
 
     # ---- internals ----
-
-    def _pin_stats(self, layout: bytes) -> dict:
-        pins = self.pins.get(layout)
-        if pins is None:
-            return {"pinned_blocks": 0, "pins_refused": 0, "pins_missed": 0}
-        return {
-            "pinned_blocks": pins.pinned_blocks,
-            "pins_refused": pins.refused,
-            "pins_missed": pins.missed,
-        }
 
     def _yield_hold(self, store: LayoutStore) -> bool:
         """Ends the layout's oldest lookup hold (a promotion found every slot pinned)."""

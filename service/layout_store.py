@@ -169,8 +169,13 @@ class LayoutStore:
     def abort(self, slots: Sequence[int]) -> None:
         self.host.abort(slots)
 
-    def acquire(self, hashes: Sequence[bytes]) -> tuple[list[int], LowerHits]:
-        """Pins the held prefix of ``hashes`` (may read the disk: blocking)."""
+    def acquire(
+        self, hashes: Sequence[bytes], memory_only: bool = False
+    ) -> tuple[list[int], LowerHits] | None:
+        """Pins the held prefix of ``hashes``. Blocking (may read the disk), unless
+        ``memory_only``: then None, having changed nothing, where a tier below must be read."""
+        if memory_only:
+            return self.host.acquire_in_memory(hashes)
         return self.host.acquire_with_sources(hashes)
 
     def release(self, slots: Sequence[int]) -> None:

@@ -22,6 +22,8 @@ from kvtier.service import layout_store
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
 from kvtier.service.events import EventHub
+from kvtier.service.rpc.servicer import KvTierServicer
+from kvtier.service.stats.metrics import Metrics
 from kvtier.service.store import BlockStore
 from kvtier.tiers.disk import writer as disk_writer
 from kvtier.tiers.lower import NO_SPACE
@@ -161,6 +163,43 @@ def test_a_block_whose_disk_write_is_in_flight_is_a_host_hit(make_daemon, tmp_pa
     finally:
         go_on.set()
     wait_until(lambda: daemon.stats()["layouts"][0]["writing_behind"] == 0, "the writes done")
+
+
+def test_an_acquire_of_host_hits_never_waits_for_a_worker_thread(make_daemon, tmp_path):
+    """Worker threads serve what may read the disk or the network, and a slow disk or store can
+    keep them all busy: an Acquire of host hits alone is answered on the event loop itself,
+    one that must promote a disk hit on a worker thread."""
+    daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=64 * BLOCK, data_dir=tmp_path)
+    sid = session(daemon, "c")
+    on_disk, in_host = hashes(b"d", 4), hashes(b"h", 4)
+    for blocks in (on_disk, hashes(b"f", 4), in_host):  # the last evicts the first, written down
+        daemon.commit(sid, daemon.reserve(sid, blocks))
+        wait_until(lambda: daemon.stats()["layouts"][0]["writing_behind"] == 0, "the writes")
+    assert daemon.lookup(sid, on_disk + in_host).disk == 4
+    threads = []
+    acquire = daemon.acquire
+
+    def noting_thread(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return acquire(*args, **kwargs)
+
+    daemon.acquire = noting_thread
+    servicer = KvTierServicer(daemon, daemon.events, Metrics(daemon.stats), asyncio.Event())
+
+    async def acquire_and_release(blocks: list[bytes]) -> int:
+        request = pb.AcquireRequest(session_id=sid, hashes=b"".join(blocks))
+        answer = await servicer.acquire(request, "")
+        await servicer.release(pb.SlotsRequest(session_id=sid, slots=answer.slots), "")
+        return answer.host
+
+    try:
+        assert asyncio.run(acquire_and_release(in_host)) == 4
+        assert threads == [threading.current_thread().name]
+        threads.clear()
+        assert asyncio.run(acquire_and_release(on_disk[:1])) == 0
+        assert len(threads) == 2 and threads[1].startswith("kvtier-rpc"), threads
+    finally:
+        servicer.close()
 
 
 @pytest.fixture

@@ -90,6 +90,33 @@ def test_eviction_spills_to_disk_and_acquire_promotes(tmp_path):
         disk.close()
 
 
+def test_an_acquire_in_memory_takes_host_hits_alone_and_leaves_a_disk_hit_untouched(tmp_path):
+    disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
+    try:
+        host = HostTier(BLOCK, BLOCK * 2, lower=disk)
+        for i in range(3):
+            store(host, i)  # h(0) spills to the disk
+        slots, sources = host.acquire_in_memory([h(1), h(2)])
+        assert (sources.host, sources.disk) == (2, 0)
+        assert [int(host.slot_array(s)[0]) for s in slots] == [1, 2]
+        host.release(slots)  # head last: h(2) is the least recently used
+        # h(0) needs a promotion (a disk read): nothing is pinned, touched or promoted
+        assert host.acquire_in_memory([h(2), h(0)]) is None
+        assert host.counters.blocks_promoted == 0
+        store(host, 3)  # h(2) is still the least recently used and goes
+        assert host.lookup([h(2)]).disk == 1
+    finally:
+        disk.close()
+
+
+def test_an_acquire_in_memory_with_no_tier_below_is_the_plain_acquire():
+    host = HostTier(BLOCK, BLOCK * 4)
+    store(host, 1)
+    slots, sources = host.acquire_in_memory([h(1), h(2), h(1)])
+    assert (len(slots), sources.host) == (1, 1)
+    host.release(slots)
+
+
 def test_concurrent_promotion_of_one_hash(tmp_path):
     disk = DiskTier(tmp_path, b"s" * 16, BLOCK, BLOCK * 100)
     try:

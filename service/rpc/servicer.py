@@ -248,11 +248,20 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         return pb.SlotsResponse(count=len(slots))
 
     async def acquire(self, request: pb.AcquireRequest, peer: str) -> pb.AcquireResponse:
-        slots, sources = await self._run(
-            lambda: self.daemon.acquire(
-                request.session_id, self._hashes(request), request.call_id, peer
+        # Host hits alone are answered on the event loop: a hand-off to a worker thread and
+        # back costs more than the pins (about 0.2 ms of a 0.5 ms round trip on 2 cores).
+        found = None
+        if not _heavy(request.hashes):
+            found = self.daemon.acquire(
+                request.session_id, self._hashes(request), request.call_id, peer, True
             )
-        )
+        if found is None:
+            found = await self._run(
+                lambda: self.daemon.acquire(
+                    request.session_id, self._hashes(request), request.call_id, peer
+                )
+            )
+        slots, sources = found
         return pb.AcquireResponse(
             slots=slots, host=sources.host, disk=sources.disk, remote=sources.remote
         )

@@ -16,7 +16,7 @@ import numpy as np
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host.admission import AdmissionPolicy
-from kvtier.tiers.host.slots import SlotTable
+from kvtier.tiers.host.slots import READY, SlotTable
 from kvtier.tiers.lower import DiskTierLike
 
 EventFn = Callable[[str, BlockHash, bytes], None]
@@ -91,3 +91,18 @@ class Residency:
     def emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
         if self._on_event is not None:
             self._on_event(kind, block_hash, meta)
+
+    def spill_all(self) -> int:
+        """``HostTier.spill_all``. None is shed for the disk's backlog: these copies are
+        bounded by the host tier's size."""
+        if self._lower is None:
+            return 0
+        table, down = self._table, self._admission.writes_down
+        below = self._lower.holding(list(table.index))
+        spilled = 0
+        for block_hash, slot in list(table.index.items()):
+            if table.state[slot] == READY and block_hash not in below and down(block_hash):
+                self._lower.put(block_hash, self._slab[slot], table.meta.get(slot, b""), shed=False)
+                spilled += 1
+        self._counters.blocks_spilled += spilled
+        return spilled

@@ -330,19 +330,31 @@ class HostTier:
         can supply (gone since the lookup, no free slot, a checksum miss), so it is a prefix
         of ``hashes``; every returned slot must be given back with ``release``.
         """
+        return self._acquire(hashes, memory_only=False)
+
+    def acquire_in_memory(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LowerHits] | None:
+        """``acquire_with_sources`` when this tier's memory alone answers it: every hash is
+        here, or no tier lies below. Otherwise None, having changed nothing: a promotion may
+        read the disk or the network."""
+        return self._acquire(hashes, memory_only=True)
+
+    def _acquire(
+        self, hashes: Sequence[BlockHash], memory_only: bool
+    ) -> tuple[list[int], LowerHits] | None:
         check_hashes(hashes)
         sources = LowerHits()
-        found: list[int | None] = []
         late: list[tuple[int, BlockHash, bytes, list[Below]]] = []  # now worth a disk write behind
         with self._lock:
-            for h in hashes:
-                slot = self._slots.ready_slot(h)
+            found = [self._slots.ready_slot(h) for h in hashes]
+            below = self.lower is not None or self.remote is not None
+            if memory_only and below and None in found:
+                return None
+            for h, slot in zip(hashes, found, strict=True):
                 if slot is not None:
                     self._slots.pin(slot)
                     if self.admission.hit(h) and (disk := self._behind.missing_on_disk(h)):
                         self._behind.pin(slot, disk)
                         late.append((slot, h, self._slots.meta.get(slot, b""), disk))
-                found.append(slot)
         for block in late:
             self._behind.start(*block)
         acquired: list[int] = []
@@ -379,21 +391,9 @@ class HostTier:
 
     def spill_all(self) -> int:
         """Copies every committed block the disk tier lacks into it (graceful shutdown),
-        if the admission policy sends it down. Returns how many; the slots stay valid.
-        None is shed for the disk's backlog: these copies are bounded by this tier's size."""
-        if self.lower is None:
-            return 0
-        spilled = 0
+        if the admission policy sends it down. Returns how many; the slots stay valid."""
         with self._lock:
-            table, down = self._slots, self.admission.writes_down
-            below = self.lower.holding(list(table.index))
-            for block_hash, slot in list(table.index.items()):
-                if table.state[slot] == READY and block_hash not in below and down(block_hash):
-                    meta = table.meta.get(slot, b"")
-                    self.lower.put(block_hash, self._slab_np[slot], meta, shed=False)
-                    spilled += 1
-            self.counters.blocks_spilled += spilled
-        return spilled
+            return self._room.spill_all()
 
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
