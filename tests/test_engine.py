@@ -57,8 +57,9 @@ def dense_logits(model: Decoder, token_ids: list[int]) -> torch.Tensor:
             mask &= pos[None, :] > pos[:, None] - window
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
 
-    ids = torch.tensor(token_ids)
-    hidden = model.forward(ids, torch.arange(len(ids)), attend)
+    ids = torch.tensor(token_ids, device=model.device)
+    pos = pos.to(model.device)
+    hidden = model.forward(ids, pos, attend)
     return model.logits(hidden)
 
 
@@ -214,12 +215,26 @@ def test_decode_batch_of_fixed_height_is_independent_of_its_neighbours(
     assert alone_tokens == dense[27:].argmax(-1).tolist()
 
 
-def test_a_bucketed_decode_matches_the_dense_reference_with_windows():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            ],
+        ),
+    ],
+)
+def test_a_bucketed_decode_matches_the_dense_reference_with_windows(device: str):
     """Rows of several key lengths (buckets of 1, 2, 4 and 8 blocks) and sliding windows:
     each row's logits are those of its whole sequence computed densely, whatever the unwritten
     tails of their blocks hold."""
-    hybrid = Decoder(ModelConfig.hybrid(sliding_window=BLOCK + 3))
-    engine = make_engine(hybrid, num_blocks=96, bucketed=True)
+    hybrid = Decoder(ModelConfig.hybrid(sliding_window=BLOCK + 3), device=device)
+    stack = build_stack(hybrid.config.kv_layout(BLOCK), 96, device=device)
+    engine = Engine(hybrid, stack, bucketed_decode=True)
     for cache in engine.kv.caches:
         cache.fill_(float("nan"))
     prompts = [prompt(20 + i, n) for i, n in enumerate((3, BLOCK + 2, 3 * BLOCK, 6 * BLOCK + 1))]
