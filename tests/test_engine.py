@@ -229,18 +229,18 @@ def test_decode_batch_of_fixed_height_is_independent_of_its_neighbours(
     ],
 )
 def test_a_bucketed_decode_matches_the_dense_reference_with_windows(device: str):
-    """Rows of several key lengths (buckets of 1, 2, 4 and 8 blocks) and sliding windows:
-    each row's logits are those of its whole sequence computed densely, whatever the unwritten
-    tails of their blocks hold."""
+    """Rows of several key lengths (buckets of 1, 2, 4 and 8 blocks, one of them shared by
+    many rows) and sliding windows: each row's logits are those of its whole sequence computed
+    densely, whatever the unwritten tails of their blocks hold."""
     hybrid = Decoder(ModelConfig.hybrid(sliding_window=BLOCK + 3), device=device)
     stack = build_stack(hybrid.config.kv_layout(BLOCK), 96, device=device)
     engine = Engine(hybrid, stack, bucketed_decode=True)
     for cache in engine.kv.caches:
         cache.fill_(float("nan"))
-    prompts = [prompt(20 + i, n) for i, n in enumerate((3, BLOCK + 2, 3 * BLOCK, 6 * BLOCK + 1))]
-    seqs = [engine.prefill(p) for p in prompts]
+    lengths = (3, 3 * BLOCK, 6 * BLOCK + 1) + (BLOCK + 2,) * 5
+    seqs = [engine.prefill(prompt(20 + i, n)) for i, n in enumerate(lengths)]
     for _ in range(3):
-        engine.decode_batch(seqs, rows=6)
+        engine.decode_batch(seqs, rows=len(seqs) + 1)
     for seq in seqs:
         want = dense_logits(hybrid, seq.token_ids)[-1]
         torch.testing.assert_close(seq.last_logits, want, rtol=1e-4, atol=1e-4)
