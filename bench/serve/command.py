@@ -5,7 +5,8 @@ Whole conversations are sampled from the trace (``sample``), each trace block sh
 (``loop``) in three arms on the same GPU pool size (``arms``): the engine's prefix cache alone,
 then kvtier's host tier behind it, then host and disk. Arrival times are the trace's, scaled so
 that the offered load is ``--load`` of what the engine-only arm sustains, measured first by
-offering it a sixth of the requests at once. Each arm reports time to first token and
+offering it a sixth of the requests at once (more of a small sample: enough for two full
+batches where it has them). Each arm reports time to first token and
 throughput (``report``); ``--plot`` draws the TTFT distributions (``plot``). ``--engine vllm``
 serves the same arms through vLLM's engine instead (``vllm_command``).
 """
@@ -137,6 +138,15 @@ def load_requests(args: argparse.Namespace, block_tokens: int, vocab: int) -> li
     return to_serve_requests(sampled, block_tokens, vocab)
 
 
+def calibration_sample(requests: list[ServeRequest], max_running: int) -> list[ServeRequest]:
+    """The requests offered at once to measure the engine's capacity: every
+    ``CALIBRATION_STRIDE``-th, or more where that would leave fewer than two full batches
+    (``max_running`` each). A step costs about the same for one decoding request as for a
+    full batch, so a batch kept short would measure the engine far below its rate."""
+    stride = max(1, min(CALIBRATION_STRIDE, len(requests) // (2 * max_running)))
+    return requests[::stride]
+
+
 def time_scale(
     args: argparse.Namespace, setup: ServeSetup, sizes: Sizes, requests: list[ServeRequest]
 ) -> tuple[float, float | None]:
@@ -144,7 +154,7 @@ def time_scale(
     if args.time_scale is not None:
         return args.time_scale, None
     started = time.perf_counter()
-    capacity = engine_capacity(setup, sizes, requests[::CALIBRATION_STRIDE])
+    capacity = engine_capacity(setup, sizes, calibration_sample(requests, setup.max_running))
     logger.info(
         "engine-only capacity: %.0f prompt tokens/s (measured in %.1f s)",
         capacity,
