@@ -195,15 +195,14 @@ class Engine:
         height = len(seqs) if rows is None else rows
         if not seqs or height < len(seqs):
             raise ValueError(f"{len(seqs)} sequences do not fit a batch of {height} rows")
-        tokens: list[int] = []
+        # one argmax and one read back for the whole batch, not a device sync per sequence
+        tokens: list[int] = torch.stack([seq.last_logits for seq in seqs]).argmax(-1).tolist()
         positions: list[int] = []
-        for seq in seqs:
-            token = int(torch.argmax(seq.last_logits))
+        for seq, token in zip(seqs, tokens, strict=True):
             seq.token_ids.append(token)
             pos = len(seq.token_ids) - 1
             if pos // self.block_size >= len(seq.blocks):
                 self._add_blocks(seq, 1)
-            tokens.append(token)
             positions.append(pos)
         device = self.model.device
         pad = [0] * (height - len(seqs))

@@ -41,15 +41,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotates ``x`` (``[T, heads, d]``) by its tokens' positions, rotate-half convention."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+def rope_angles(
+    positions: torch.Tensor, head_size: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and sines (``[T, 1, head_size]``, float32) that rotate the tokens at
+    ``positions``: the same for every layer, so a forward pass computes them once."""
+    d = head_size
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, d, 2, device=positions.device, dtype=torch.float32) / d
+    )
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None, :]
     sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None, :]
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates ``x`` (``[T, heads, d]``) by its tokens' ``rope_angles``, rotate-half
+    convention."""
+    cos, sin = angles
     xf = x.float()
-    half = d // 2
+    half = x.shape[-1] // 2
     rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
     return (xf * cos + rotated * sin).to(x.dtype)
 
@@ -98,11 +110,12 @@ class Decoder:
         q_size = c.num_heads * c.head_size
         kv_size = c.num_kv_heads * c.head_size
         h = self.embed.index_select(0, token_ids)
+        angles = rope_angles(positions, c.head_size, c.rope_theta)
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, c.rms_eps)
             q, k, v = F.linear(x, layer.wqkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(-1, c.num_heads, c.head_size), positions, c.rope_theta)
-            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_size), positions, c.rope_theta)
+            q = apply_rope(q.view(-1, c.num_heads, c.head_size), angles)
+            k = apply_rope(k.view(-1, c.num_kv_heads, c.head_size), angles)
             v = v.reshape(-1, c.num_kv_heads, c.head_size)
             out = attend(i, q, k, v)
             h = h + F.linear(out.reshape(-1, q_size), layer.wo)
