@@ -188,8 +188,8 @@ def test_an_acquire_of_host_hits_never_waits_for_a_worker_thread(make_daemon, tm
 
     async def acquire_and_release(blocks: list[bytes]) -> int:
         request = pb.AcquireRequest(session_id=sid, hashes=b"".join(blocks))
-        answer = await servicer.slot_op("acquire", request, "")
-        await servicer.slot_op("release", pb.SlotsRequest(session_id=sid, slots=answer.slots), "")
+        answer = await servicer.acquire(request, "")
+        await servicer.release(pb.SlotsRequest(session_id=sid, slots=answer.slots), "")
         return answer.host
 
     try:

@@ -9,8 +9,7 @@ operations, a first batch naming no live session of this connection, a later one
 another session. It also ends when the daemon stops.
 
 Operations start in the order they arrive (those the event loop answers at once finish in that
-order too: they are answered as the frame is read, with no task of their own) and are
-answered as they finish, in batches. At most ``slot_ops_in_flight`` of them
+order too) and are answered as they finish, in batches. At most ``slot_ops_in_flight`` of them
 are running or waiting to be written: beyond that the daemon stops reading the stream, so a
 client that sends without reading its answers is held by flow control, not by the daemon's
 memory.
@@ -106,8 +105,6 @@ class _Stream:
                 self._check(batch)
                 for op in batch.ops:
                     await self.room.acquire()
-                    if self._answered_now(op):
-                        continue
                     task = asyncio.create_task(self._run(op))
                     self.running.add(task)
                     task.add_done_callback(self.running.discard)
@@ -146,69 +143,32 @@ class _Stream:
                 grpc.StatusCode.INVALID_ARGUMENT, "a stream's first batch names its session"
             )
 
-    def _answered_now(self, op: pb.SlotOp) -> bool:
-        """Answers ``op`` at once where the event loop can (``slot_op_now``): no task and no
-        turn of the loop between its frame and its answer. False where it needs ``_run``."""
-        start = time.perf_counter()
-        result = pb.SlotResult(op_id=op.op_id)
-        try:
-            kind, request = self._request(op)
-            answer = self.servicer.slot_op_now(kind, request, self.peer)
-            if answer is None:
-                return False
-            getattr(result, _RESULT_FIELD[kind]).CopyFrom(answer)
-            self._finish(op, result, grpc.StatusCode.OK, start)
-        except Exception as exc:
-            self._finish(op, result, self._failure(op, result, exc), start)
-        return True
-
     async def _run(self, op: pb.SlotOp) -> None:
         """Runs one operation as its unary call would, and queues its result."""
-        start = time.perf_counter()
+        kind = op.WhichOneof("op")
+        method = kind.capitalize() if kind else "SlotOps"
         result = pb.SlotResult(op_id=op.op_id)
         code = grpc.StatusCode.OK
+        start = time.perf_counter()
         try:
-            kind, request = self._request(op)
-            answer = await self.servicer.slot_op(kind, request, self.peer)
+            if kind is None:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "an operation names no kind")
+            request = getattr(op, kind)
+            if request.session_id not in ("", self.session):
+                raise RequestError(
+                    grpc.StatusCode.PERMISSION_DENIED, "this stream serves another session"
+                )
+            request.session_id = self.session
+            answer = await getattr(self.servicer, kind)(request, self.peer)
             getattr(result, _RESULT_FIELD[kind]).CopyFrom(answer)
-        except BaseException as exc:
-            code = self._failure(op, result, exc)
-        finally:
-            self._finish(op, result, code, start)
-
-    def _request(self, op: pb.SlotOp):
-        """The operation's kind and request, bound to this stream's session."""
-        kind = op.WhichOneof("op")
-        if kind is None:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "an operation names no kind")
-        request = getattr(op, kind)
-        if request.session_id not in ("", self.session):
-            raise RequestError(
-                grpc.StatusCode.PERMISSION_DENIED, "this stream serves another session"
-            )
-        request.session_id = self.session
-        return kind, request
-
-    def _failure(self, op: pb.SlotOp, result: pb.SlotResult, exc: BaseException):
-        """The status an operation that raised ``exc`` answers with (its message set)."""
-        if isinstance(exc, REFUSALS):
+        except REFUSALS as exc:
             code, result.message = status_of(exc)
             self.servicer.refused(self.context, exc, result.message)
-            return code
-        if not isinstance(exc, Exception):
-            raise exc  # cancelled: the stream is ending
-        # Its unary call would end UNKNOWN (gRPC logs why): this operation alone does.
-        method = _method(op)
-        log.error("SlotOps %s failed", method, exc_info=exc)
-        result.message = f"{method} failed in the daemon"
-        return grpc.StatusCode.UNKNOWN
-
-    def _finish(self, op: pb.SlotOp, result: pb.SlotResult, code, start: float) -> None:
-        result.code = code.value[0]
-        self.servicer.metrics.observe(_method(op), code.name, time.perf_counter() - start)
-        self.out.put_nowait(result)
-
-
-def _method(op: pb.SlotOp) -> str:
-    kind = op.WhichOneof("op")
-    return kind.capitalize() if kind else "SlotOps"
+        except Exception:
+            # Its unary call would end UNKNOWN (gRPC logs why): this operation alone does.
+            log.exception("SlotOps %s failed", method)
+            code, result.message = grpc.StatusCode.UNKNOWN, f"{method} failed in the daemon"
+        finally:
+            result.code = code.value[0]
+            self.servicer.metrics.observe(method, code.name, time.perf_counter() - start)
+            self.out.put_nowait(result)
