@@ -144,7 +144,7 @@ class PagedKV:
             out = torch.zeros_like(q)
             for bucket, rows in zip(buckets, rows_of, strict=True):
                 out.index_copy_(0, rows, bucket.attend(layer, q.index_select(0, rows)))
-            if buckets:
+            if bucket_height is not None:
                 return out
             for i, (table, pos) in enumerate(zip(block_tables, positions, strict=True)):
                 keys, values = self.read(layer, table, pos + 1)

@@ -83,6 +83,8 @@ class HostTier:
         self._slab_np = self.slab.numpy()
         self.lower = lower
         self.remote = remote
+        self._below = lower is not None or remote is not None
+        """Whether an in-memory answer may fall short: a tier below may hold what this lacks."""
         self.counters = counters or TierCounters("host")
         self.counters.capacity_blocks = num_slots
         self.counters.capacity_bytes = num_slots * block_bytes
@@ -160,13 +162,12 @@ class HostTier:
         alone answers it: every hash is here, or no tier lies below. Otherwise None, having
         changed nothing: a tier below must be asked, which may read the disk or the network."""
         check_hashes(hashes)
-        below = self.lower is not None or self.remote is not None
         resident: list[tuple[BlockHash, int]] = []
         with self._lock:
             for h in hashes:
                 slot = self._slots.ready_slot(h)
                 if slot is None:
-                    if below:
+                    if self._below:
                         return None
                     break
                 resident.append((h, slot))
@@ -346,8 +347,7 @@ class HostTier:
         late: list[tuple[int, BlockHash, bytes, list[Below]]] = []  # now worth a disk write behind
         with self._lock:
             found = [self._slots.ready_slot(h) for h in hashes]
-            below = self.lower is not None or self.remote is not None
-            if memory_only and below and None in found:
+            if memory_only and self._below and None in found:
                 return None
             for h, slot in zip(hashes, found, strict=True):
                 if slot is not None:
