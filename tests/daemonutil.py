@@ -27,7 +27,10 @@ from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.service.arena import SHM_DIR
 from kvtier.service.relay.unix import private_dir_of
 
-RUN = uuid.uuid4().hex[:8]
+RUN = os.environ.setdefault("KVTIER_TEST_RUN", uuid.uuid4().hex[:8])
+"""This pytest session's mark. Every process it starts inherits it (an engine's, a script's):
+a daemon one of them starts is this session's too, so the check at the session's end sees
+whatever that daemon left."""
 NAME_PREFIX = f"test-{RUN}-"
 """Every daemon this pytest session starts, in a process or not, is named under this prefix,
 so its arenas are ``/dev/shm/kvtier-test-<run>-…``; other sessions on the machine have
@@ -81,7 +84,12 @@ def leftovers(grace_s: float = 10.0) -> list[str]:
 
 def session_processes() -> list[tuple[int, str]]:
     """Processes whose command line names this session's daemons or their directories."""
-    marks = (NAME_PREFIX.encode(), f"/tmp/{ROOT_PREFIX}".encode())
+    return processes_naming(NAME_PREFIX, f"/tmp/{ROOT_PREFIX}")
+
+
+def processes_naming(*marks: str) -> list[tuple[int, str]]:
+    """Processes (but this one) whose command line holds any of ``marks``."""
+    marks = tuple(mark.encode() for mark in marks)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -216,6 +224,11 @@ class Daemon:
         for arena in arenas_of(self.name):
             arena.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.root.exists():
+            # The relay outlives its killed daemon by a moment, and may bind one more address
+            # in the directory while it is being removed: remove it again once the relay is gone.
+            wait_until(lambda: not processes_naming(str(self.root)), "the relay to end")
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def stub(self) -> tuple[grpc.Channel, pb_grpc.KvTierStub]:
         channel = grpc.insecure_channel(self.target, options=contract.CHANNEL_OPTIONS)

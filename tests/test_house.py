@@ -1,13 +1,19 @@
 """The house's rules, read from the source: which package may import which, no import circles,
-no reaching into another package's private names, small modules, a core that stays small."""
+no reaching into another package's private names, small modules, a core that stays small; and
+the tests' own: what a process they start leaves behind is theirs to find."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import tomllib
+
+import daemonutil
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
@@ -141,3 +147,20 @@ def test_modules_stay_small(name: str) -> None:
 def test_the_storage_core_stays_small() -> None:
     core = sorted(p.name for p in (ROOT / "tiers").glob("*.py") if p.name != "__init__.py")
     assert len(core) <= MAX_CORE_MODULES, f"tiers/ holds {len(core)} modules: {core}"
+
+
+def test_a_daemon_a_childs_test_code_starts_is_this_sessions(tmp_path) -> None:
+    """The leftover check at the session's end sees only this session's daemons: a process the
+    tests start (a script, an engine) must mark its daemons as this session's."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    child = subprocess.run(
+        [sys.executable, "-c", "import daemonutil; print(daemonutil.Daemon().root)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.split()[-1]
+    try:
+        assert Path(child).name.startswith(daemonutil.ROOT_PREFIX)
+    finally:
+        Path(child).rmdir()
