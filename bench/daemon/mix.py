@@ -191,8 +191,9 @@ def _request(
 def timed_store(client: DaemonClient, rows: torch.Tensor) -> float:
     """Stores ``rows`` as new blocks (Reserve, a copy per block, Commit); returns the seconds
     of its Reserve and Commit calls, the copies between them not counted."""
+    hashes = [uuid.uuid4().bytes for _ in range(rows.shape[0])]  # the engine's, not a call's
     t0 = time.perf_counter()
-    slots = client.reserve([uuid.uuid4().bytes for _ in range(rows.shape[0])])
+    slots = client.reserve(hashes)
     reserved = time.perf_counter() - t0
     if min(slots) < 0:
         raise RuntimeError(f"reserve refused: {slots}")
