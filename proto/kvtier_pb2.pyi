@@ -39,7 +39,7 @@ class OpenRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ..., lost_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms")
+    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms", "slot_lookups")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class OpenResponse(_message.Message):
     MAX_RESERVED_FIELD_NUMBER: _ClassVar[int]
     MAX_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_id: str
     arena_path: str
@@ -62,7 +63,8 @@ class OpenResponse(_message.Message):
     max_reserved: int
     max_acquired: int
     lookup_hold_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ..., lookup_hold_ms: _Optional[int] = ...) -> None: ...
+    slot_lookups: bool
+    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ..., lookup_hold_ms: _Optional[int] = ..., slot_lookups: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -191,7 +193,7 @@ class PinResponse(_message.Message):
     def __init__(self, pinned: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class SlotOp(_message.Message):
-    __slots__ = ("op_id", "reserve", "commit", "abort", "acquire", "release", "cancel")
+    __slots__ = ("op_id", "reserve", "commit", "abort", "acquire", "release", "cancel", "lookup")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +201,7 @@ class SlotOp(_message.Message):
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     reserve: ReserveRequest
     commit: SlotsRequest
@@ -206,7 +209,8 @@ class SlotOp(_message.Message):
     acquire: AcquireRequest
     release: SlotsRequest
     cancel: CancelRequest
-    def __init__(self, op_id: _Optional[int] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., commit: _Optional[_Union[SlotsRequest, _Mapping]] = ..., abort: _Optional[_Union[SlotsRequest, _Mapping]] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[SlotsRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ...) -> None: ...
+    lookup: LookupRequest
+    def __init__(self, op_id: _Optional[int] = ..., reserve: _Optional[_Union[ReserveRequest, _Mapping]] = ..., commit: _Optional[_Union[SlotsRequest, _Mapping]] = ..., abort: _Optional[_Union[SlotsRequest, _Mapping]] = ..., acquire: _Optional[_Union[AcquireRequest, _Mapping]] = ..., release: _Optional[_Union[SlotsRequest, _Mapping]] = ..., cancel: _Optional[_Union[CancelRequest, _Mapping]] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ...) -> None: ...
 
 class SlotOpBatch(_message.Message):
     __slots__ = ("session_id", "ops")
@@ -217,7 +221,7 @@ class SlotOpBatch(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[SlotOp, _Mapping]]] = ...) -> None: ...
 
 class SlotResult(_message.Message):
-    __slots__ = ("op_id", "code", "message", "reserve", "slots", "acquire", "cancel")
+    __slots__ = ("op_id", "code", "message", "reserve", "slots", "acquire", "cancel", "lookup")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +229,7 @@ class SlotResult(_message.Message):
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     code: int
     message: str
@@ -232,7 +237,8 @@ class SlotResult(_message.Message):
     slots: SlotsResponse
     acquire: AcquireResponse
     cancel: CancelResponse
-    def __init__(self, op_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., slots: _Optional[_Union[SlotsResponse, _Mapping]] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., cancel: _Optional[_Union[CancelResponse, _Mapping]] = ...) -> None: ...
+    lookup: LookupResponse
+    def __init__(self, op_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reserve: _Optional[_Union[ReserveResponse, _Mapping]] = ..., slots: _Optional[_Union[SlotsResponse, _Mapping]] = ..., acquire: _Optional[_Union[AcquireResponse, _Mapping]] = ..., cancel: _Optional[_Union[CancelResponse, _Mapping]] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ...) -> None: ...
 
 class SlotResultBatch(_message.Message):
     __slots__ = ("results",)

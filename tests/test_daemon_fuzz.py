@@ -138,7 +138,9 @@ class Fuzzer:
     def slot_op(self) -> pb.SlotOp:
         """One operation of a ``SlotOps`` batch: a random kind (or none), its own session
         field empty, the stream's, or another's."""
-        kind = self.rng.choice(["Reserve", "Commit", "Abort", "Acquire", "Release", "Cancel"])
+        kind = self.rng.choice(
+            ["Reserve", "Commit", "Abort", "Acquire", "Release", "Cancel", "Lookup"]
+        )
         request = self.message(kind)
         if self.rng.random() < 0.5:
             request.session_id = ""

@@ -130,8 +130,12 @@ class DaemonClient:
             timeout_s=timeout_s,
             on_open=self.breaker.close,
         )
+        self.slot_calls = SlotCalls(
+            self._stub, self._keeper, self._metadata, self.target, slot_stream, slot_channel
+        )
         self._lookups = LookupCalls(
             self._stub,
+            self.slot_calls,
             self._keeper,
             self._lock,
             self._failed,
@@ -140,9 +144,6 @@ class DaemonClient:
             index_of=(self.target.removeprefix("unix:"), self.layout_signature)
             if lookup_index and unix
             else None,
-        )
-        self.slot_calls = SlotCalls(
-            self._stub, self._keeper, self._metadata, self.target, slot_stream, slot_channel
         )
         self.tools = ToolCalls(
             self._stub,

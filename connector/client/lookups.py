@@ -15,6 +15,11 @@ it: a thread of the client's does (sending a 1,000-hash call costs the sender ab
 four times the probe). The call says how many host hits the probe promised: the daemon holds
 no more (the call may arrive after the request's own blocks were stored), and counts those
 evicted before it arrived (``holds_missed``), which it could not hold.
+
+The call goes as an operation of the session's slot channel (or ``SlotOps`` stream) where
+the daemon says it takes lookups there (``Limits.slot_lookups``): a round trip there costs
+about a third of a gRPC call's. It keeps the call's deadline (``SlotCalls.future``'s
+``polled``), and a lookup of more than one chunk stays a call.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import grpc
 import numpy as np
 
 from kvtier.connector.client.session import SessionKeeper
+from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
@@ -44,6 +50,7 @@ class LookupCalls:
     def __init__(
         self,
         stub: pb_grpc.KvTierStub,
+        slot_calls: SlotCalls,
         keeper: SessionKeeper,
         lock: threading.Lock,
         failed: Failed,
@@ -56,6 +63,7 @@ class LookupCalls:
         ``index_of`` is the daemon's socket and the layout signature whose index to probe
         (None: a daemon on another host, or probing not wanted)."""
         self._stub = stub
+        self._slot_calls = slot_calls
         self._keeper = keeper
         self._lock = lock
         self._failed = failed
@@ -153,17 +161,30 @@ class LookupCalls:
     ) -> None:
         """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback;
         ``on_host``: a notice's probe, where it said the host tier holds the hit."""
-        chunk = hashes[start : start + self._keeper.limits.max_hashes]
+        limits = self._keeper.limits
+        chunk = hashes[start : start + limits.max_hashes]
         request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
         if on_host is not None:
             request.probed_host = int(np.count_nonzero(on_host[start : start + len(chunk)]))
-        call = self._stub.Lookup.future(request, timeout=self._timeout_s, metadata=self._metadata)
+        if limits.slot_lookups and len(chunk) == len(hashes):
+            # Over the session's slot channel where it has one: a round trip there costs a
+            # third of a call's. (A lookup of several chunks stays a call: each next chunk is
+            # sent from the last one's answer, which the channel's reader thread would run.)
+            polled = on_host is None  # a notice's answer nobody waits for
+            call = self._slot_calls.future("Lookup", request, self._timeout_s, polled)
+        else:
+            call = self._stub.Lookup.future(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
         with self._lock:
             self._calls.add(call)
 
         def answered(call: grpc.Future) -> None:
             with self._lock:
                 self._calls.discard(call)
+            if call.cancelled():  # the client gave up on it: a miss, not a failure
+                result.set_result(hits)
+                return
             try:
                 reply = call.result()
             except (grpc.RpcError, grpc.FutureCancelledError) as exc:

@@ -48,6 +48,8 @@ class Limits:
     max_acquired: int = 1 << 30
     lookup_hold_s: float = 0.0
     """How long the daemon holds a lookup's host hits for this session's acquire."""
+    slot_lookups: bool = False
+    """Whether a lookup may go over the session's slot channel or stream (else a call)."""
 
 
 class SlotLedger:
@@ -250,6 +252,7 @@ class SessionKeeper:
                 opened.max_reserved or Limits.max_reserved,
                 opened.max_acquired or Limits.max_acquired,
                 opened.lookup_hold_ms / 1000,
+                opened.slot_lookups,
             )
             self.sessions_opened += 1
             self._ledger.changed.notify_all()

@@ -19,6 +19,7 @@ OP_FIELDS = {
     "Acquire": ("acquire", "acquire"),
     "Release": ("release", "slots"),
     "Cancel": ("cancel", "cancel"),
+    "Lookup": ("lookup", "lookup"),
 }
 """Method -> (its field in ``SlotOp``, the field of ``SlotResult`` that holds its reply)."""
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -58,6 +59,13 @@ class OpFuture:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def cancel(self) -> bool:
+        """Stops waiting for the answer, as a cancelled call does; False if it came already."""
+        if self._done.is_set():
+            return False
+        self.finish(error=StreamError(grpc.StatusCode.CANCELLED, "cancelled"), cancelled=True)
+        return True
 
     def result(self, timeout: float | None = None):
         if not self._done.wait(timeout):

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from kvtier.connector.client.deadlines import Deadlines
 from kvtier.connector.client.session import SessionKeeper
 from kvtier.connector.client.slot_answers import (
     OP_FIELDS,
@@ -169,6 +170,7 @@ class SlotCalls:
         self._lock = threading.Lock()
         self._stream: _Stream | ChannelStream | None = None
         self._retry_at = 0.0
+        self._deadlines = Deadlines()
         self.streamed = 0
         """Operations sent over a stream."""
         self.streams_opened = 0
@@ -191,13 +193,16 @@ class SlotCalls:
                 grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} missed its deadline"
             ) from None
 
-    def future(self, method: str, request, timeout: float):
-        """Sends one operation without waiting; ``timeout`` bounds a unary call only."""
+    def future(self, method: str, request, timeout: float, polled: bool = False):
+        """Sends one operation without waiting; ``timeout`` bounds a unary call, and over a
+        stream only a ``polled`` operation's (one whose answer someone waits for)."""
         _, future = self._put(next(self._ids), method, request, timeout)
         if future is None:
             return getattr(self._stub, method).future(
                 request, timeout=timeout, metadata=self._metadata
             )
+        if polled:
+            self._deadlines.watch(future, method, timeout)
         return future
 
     def close(self) -> None:
@@ -206,6 +211,7 @@ class SlotCalls:
             self.streaming = False
         if stream is not None:
             stream.close()
+        self._deadlines.close()
 
     def _put(
         self, op_id: int, method: str, request, timeout: float

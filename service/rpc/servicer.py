@@ -145,6 +145,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             max_reserved=opened.max_reserved,
             max_acquired=opened.max_acquired,
             lookup_hold_ms=int(self.daemon.config.lookup_hold_s * 1000),
+            slot_lookups=True,
         )
 
     @unary
@@ -175,7 +176,9 @@ class KvTierServicer(pb_grpc.KvTierServicer):
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        peer = session_peer(context)
+        return await self.lookup(request, session_peer(context))
+
+    async def lookup(self, request: pb.LookupRequest, peer: str) -> pb.LookupResponse:
         probed = request.probed_host if request.HasField("probed_host") else None
         hits = None
         if not _heavy(request.hashes):

@@ -1,4 +1,5 @@
-"""The daemon's end of a ``SlotOps`` stream: one session's slot operations, in batches.
+"""The daemon's end of a ``SlotOps`` stream: one session's slot operations (and lookups), in
+batches.
 
 Each operation runs through the servicer's own method for it (``reserve``, ``commit``, …), the
 code its unary call runs, with the stream's peer: the same session checks (bound to the
@@ -41,6 +42,7 @@ _RESULT_FIELD = {
     "acquire": "acquire",
     "release": "slots",
     "cancel": "cancel",
+    "lookup": "lookup",
 }
 """Each operation's field in ``SlotOp`` -> the field of ``SlotResult`` its answer goes in."""
 
