@@ -13,10 +13,11 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   call the client waits for);
 * ``store_control_us``: one client's ``--batch``-block store, its time beyond the copies
   (the Reserve and Commit calls), median of ``--rounds``;
-* ``--lookup-clients`` processes each time ``--lookups`` Lookup calls of ``--hashes`` hashes
-  back to back (``lookup_*_ms``): p50/p99 latency and aggregate lookups per second at full
-  tilt, beside ``rpc_floor_p50_ms``: the daemon's bare health Check, the least any gRPC call
-  costs here;
+* ``--lookup-clients`` processes each time ``--lookups`` lookups of ``--hashes`` hashes that
+  the index does not answer, back to back (``lookup_*_ms``): p50/p99 latency and aggregate
+  lookups per second at full tilt, beside ``rpc_floor_p50_ms``: the daemon's bare health
+  Check, the least any gRPC call costs here (the lookups go over the slot channel, which
+  skips gRPC, where the daemon takes them there: ``lookup_vs_floor`` may be under 1);
 * one client times store (Reserve → copy into the arena → Commit) and load (Acquire → copy out
   → Release) of batches of blocks, beside ``memcpy_gbps``: the same tensor copy between two
   private buffers measured in the same run. ``store_ratio``/``load_ratio`` divide by it;
