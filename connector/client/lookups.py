@@ -187,9 +187,8 @@ class LookupCalls:
                 return
             try:
                 reply = call.result()
-            except (grpc.RpcError, grpc.FutureCancelledError) as exc:
-                if isinstance(exc, grpc.RpcError):
-                    self._failed("Lookup", exc, session)
+            except grpc.RpcError as exc:
+                self._failed("Lookup", exc, session)
                 result.set_result(hits)
                 return
             hits.host += reply.host
