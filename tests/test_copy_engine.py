@@ -13,7 +13,7 @@ from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.cpu_copy import copy_rows
 from kvtier.tiers.gpu.cuda_copy import PinnedIds, StagingRing
 from kvtier.tiers.gpu.placement import KVPlacement
-from kvtier.tiers.gpu.plan import Run, check_pairs, chunk_ranges, plan_runs
+from kvtier.tiers.gpu.plan import Run, Runs, check_pairs, chunk_ranges, plan_runs
 from kvtier.tiers.gpu.runtime import MEMCPY_DEFAULT, SRC_ACCESS_ORDER_STREAM, copy_runs
 from kvtier.tiers.gpu.transfer import CompletionQueue, Transfer
 from kvtier.tiers.layout import KVLayout
@@ -44,16 +44,17 @@ def filled(order: str, layout: KVLayout = LAYOUT, blocks: int = 8) -> KVPlacemen
 def test_runs_merge_consecutive_blocks_into_consecutive_slots():
     bb = 100
     runs = plan_runs([0, 100, 200, 500, 600, 900], [300, 400, 500, 0, 100, 700], bb)
-    assert runs == [Run(0, 300, 300), Run(500, 0, 200), Run(900, 700, 100)]
+    assert list(runs) == [Run(0, 300, 300), Run(500, 0, 200), Run(900, 700, 100)]
+    assert runs == Runs([0, 500, 900], [300, 0, 700], [300, 200, 100])
     # consecutive slots but scattered blocks (or the reverse) do not merge
     assert len(plan_runs([0, 200, 400], [0, 100, 200], bb)) == 3
     assert len(plan_runs([200, 100, 0], [0, 100, 200], bb)) == 3
-    assert plan_runs([], [], bb) == []
+    assert len(plan_runs([], [], bb)) == 0
 
 
 def test_runs_never_cross_a_host_registration_boundary():
     runs = plan_runs([0, 100, 200, 300], [0, 100, 200, 300], 100, host_boundary=200)
-    assert runs == [Run(0, 0, 200), Run(200, 200, 200)]
+    assert list(runs) == [Run(0, 0, 200), Run(200, 200, 200)]
 
 
 def test_chunks_and_pair_checks():
@@ -217,7 +218,7 @@ def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
     lib, stream = MemmoveRuntime(), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
     copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
     assert not host[8:16].any()
@@ -227,7 +228,7 @@ def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
     assert lib.calls == 4
     for bad in (Run(device=0, host=24, nbytes=16), Run(device=56, host=0, nbytes=16)):
         with pytest.raises(IndexError):
-            copy_runs(lib, stream, host, device, [bad], to_host=True)
+            copy_runs(lib, stream, host, device, Runs.of([bad]), to_host=True)
     assert lib.calls == 4
 
 
@@ -263,7 +264,7 @@ def test_a_transfer_goes_to_the_runtime_as_one_batch_in_either_signature(version
     lib, stream = BatchRuntime(version), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
     copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
     back = torch.zeros(64, dtype=torch.uint8)
@@ -271,7 +272,9 @@ def test_a_transfer_goes_to_the_runtime_as_one_batch_in_either_signature(version
     assert torch.equal(back[8:16], device[8:16]) and torch.equal(back[40:56], device[40:56])
     assert (lib.batches, lib.calls) == (2, 0)
     with pytest.raises(IndexError):
-        copy_runs(lib, stream, host, device, [*runs, Run(device=56, host=0, nbytes=16)], True)
+        copy_runs(
+            lib, stream, host, device, Runs.of([*runs, Run(device=56, host=0, nbytes=16)]), True
+        )
     assert lib.batches == 2
 
 
@@ -279,7 +282,7 @@ def test_a_runtime_that_refuses_a_batch_gets_one_copy_per_run_from_then_on():
     lib, stream = BatchRuntime(13000, refuse=True), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = [Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)]
+    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
     for _ in range(2):
         copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))

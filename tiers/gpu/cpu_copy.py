@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvtier.tiers.gpu.placement import KVPlacement
-from kvtier.tiers.gpu.plan import Run
+from kvtier.tiers.gpu.plan import Runs
 from kvtier.tiers.tunables import TUNABLES
 
 
@@ -51,16 +51,16 @@ def _copy_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="kvtier-copy")
 
 
-def store_runs(placement: KVPlacement, slab: torch.Tensor, runs: Sequence[Run]) -> None:
+def store_runs(placement: KVPlacement, slab: torch.Tensor, runs: Runs) -> None:
     """Device runs into the slab (both in host memory)."""
     dev, host = placement.buffer.numpy(), slab.numpy().reshape(-1)
-    copy_ranges(host, dev, [(r.host, r.device, r.nbytes) for r in runs])
+    copy_ranges(host, dev, list(zip(runs.host, runs.device, runs.nbytes, strict=True)))
 
 
-def load_runs(placement: KVPlacement, slab: torch.Tensor, runs: Sequence[Run]) -> None:
+def load_runs(placement: KVPlacement, slab: torch.Tensor, runs: Runs) -> None:
     """Slab runs into the device buffer (both in host memory)."""
     dev, host = placement.buffer.numpy(), slab.numpy().reshape(-1)
-    copy_ranges(dev, host, [(r.device, r.host, r.nbytes) for r in runs])
+    copy_ranges(dev, host, list(zip(runs.device, runs.host, runs.nbytes, strict=True)))
 
 
 def store_rows(

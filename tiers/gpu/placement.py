@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from kvtier.tiers.gpu.plan import Run, plan_runs
+from kvtier.tiers.gpu.plan import Runs, plan_runs
 from kvtier.tiers.layout import BLOCK_ORDER, KVLayout
 
 ORDERS: dict[str, tuple[int, ...]] = {
@@ -205,7 +205,7 @@ class KVPlacement:
 
     def block_runs(
         self, block_ids: Sequence[int], slots: Sequence[int], host_boundary: int = 0
-    ) -> list[Run]:
+    ) -> Runs:
         """The copies of whole blocks (``block_contiguous``) into or out of slots of
         ``block_bytes``, merged where both sides continue (``plan_runs``)."""
         first, stride, size = self.offset, self.block_stride, self.layout.block_bytes

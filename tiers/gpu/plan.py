@@ -8,7 +8,7 @@ turns a 100-block hit into a handful of DMAs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -21,18 +21,47 @@ class Run:
     nbytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class Runs:
+    """A transfer's runs as columns: run ``i`` is ``nbytes[i]`` at ``device[i]`` and
+    ``host[i]``. The engine's thread plans a transfer every step, and an object per run cost
+    it more than the planning itself (32 scattered blocks: 26 µs with a ``Run`` each, 8 as
+    columns, which also go to the runtime's batch call without being taken apart)."""
+
+    device: list[int]
+    host: list[int]
+    nbytes: list[int]
+
+    @classmethod
+    def of(cls, runs: Iterable[Run]) -> Runs:
+        made = cls([], [], [])
+        for run in runs:
+            made.device.append(run.device)
+            made.host.append(run.host)
+            made.nbytes.append(run.nbytes)
+        return made
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def __iter__(self) -> Iterator[Run]:
+        for device, host, nbytes in zip(self.device, self.host, self.nbytes, strict=True):
+            yield Run(device, host, nbytes)
+
+
 def plan_runs(
     device_offsets: Sequence[int],
     host_offsets: Sequence[int],
     size: int,
     host_boundary: int = 0,
-) -> list[Run]:
+) -> Runs:
     """One run per pair of ``size`` bytes, each merged into the last when both sides continue
     it. No run crosses a multiple of ``host_boundary`` on the host side (0: no boundary), as
     one copy must stay inside one host registration."""
     if len(device_offsets) != len(host_offsets):
         raise ValueError(f"{len(device_offsets)} device offsets for {len(host_offsets)} host ones")
-    runs: list[Run] = []
+    runs = Runs([], [], [])
+    devices, hosts, lengths = runs.device, runs.host, runs.nbytes
     dev0 = host0 = length = 0
     for dev, host in zip(device_offsets, host_offsets, strict=True):
         if (
@@ -44,10 +73,14 @@ def plan_runs(
             length += size
             continue
         if length:
-            runs.append(Run(dev0, host0, length))
+            devices.append(dev0)
+            hosts.append(host0)
+            lengths.append(length)
         dev0, host0, length = dev, host, size
     if length:
-        runs.append(Run(dev0, host0, length))
+        devices.append(dev0)
+        hosts.append(host0)
+        lengths.append(length)
     return runs
 
 

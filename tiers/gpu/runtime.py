@@ -11,11 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Sequence
+from array import array
+from operator import add
 
 import torch
 
-from kvtier.tiers.gpu.plan import Run
+from kvtier.tiers.gpu.plan import Runs
 
 MEMCPY_DEFAULT = 4
 """cudaMemcpyDefault: the direction follows from the pointers (unified addressing)."""
@@ -89,7 +90,9 @@ class _Batch:
         )
         self.has_fail_index = version.value < 13000
         if self.fn is not None and isinstance(lib, ctypes.CDLL):
-            pointers = ctypes.POINTER(ctypes.c_void_p)
+            # the address arrays (void ** in the runtime's header) go as 64-bit words, the
+            # form a transfer builds them in
+            pointers = ctypes.POINTER(ctypes.c_uint64)
             sizes = ctypes.POINTER(ctypes.c_size_t)
             args = [pointers, pointers, sizes, ctypes.c_size_t]
             args += [ctypes.POINTER(_MemcpyAttributes), sizes, ctypes.c_size_t]
@@ -106,7 +109,7 @@ def copy_runs(
     stream: torch.cuda.Stream,
     host: torch.Tensor,
     device: torch.Tensor,
-    runs: Sequence[Run],
+    runs: Runs,
     to_host: bool,
 ) -> None:
     """Queues the runs on ``stream`` between flat ``host`` and ``device`` buffers: in one
@@ -123,9 +126,14 @@ def copy_runs(
         return
     host_ptr, host_end = host.data_ptr(), host.numel()
     dev_ptr, dev_end = device.data_ptr(), device.numel()
-    for run in runs:
-        if run.host + run.nbytes > host_end or run.device + run.nbytes > dev_end:
-            raise IndexError(f"{run} lies outside {host_end} host / {dev_end} device bytes")
+    if len(runs) and (
+        max(map(add, runs.host, runs.nbytes)) > host_end
+        or max(map(add, runs.device, runs.nbytes)) > dev_end
+    ):
+        outside = next(
+            r for r in runs if r.host + r.nbytes > host_end or r.device + r.nbytes > dev_end
+        )
+        raise IndexError(f"{outside} lies outside {host_end} host / {dev_end} device bytes")
     batch = _batch(lib)
     if (
         batch.fn is not None
@@ -144,19 +152,20 @@ def copy_runs(
 
 
 def _copy_batch(
-    lib, batch: _Batch, stream, host_ptr: int, dev_ptr: int, runs: Sequence[Run], to_host: bool
+    lib, batch: _Batch, stream, host_ptr: int, dev_ptr: int, runs: Runs, to_host: bool
 ) -> bool:
     """Queues every run in one batch; False (error cleared, batches off for this runtime) if
     the runtime refuses it, for the caller to queue them one by one: a copy the refused batch
     may have queued already is then queued again, which writes the same bytes."""
     count = len(runs)
-    hosts = [host_ptr + run.host for run in runs]
-    devs = [dev_ptr + run.device for run in runs]
+    words = ctypes.c_uint64 * count
+    hosts = array("Q", [host_ptr + offset for offset in runs.host])
+    devs = array("Q", [dev_ptr + offset for offset in runs.device])
     dsts, srcs = (hosts, devs) if to_host else (devs, hosts)
     args = [
-        (ctypes.c_void_p * count)(*dsts),
-        (ctypes.c_void_p * count)(*srcs),
-        (ctypes.c_size_t * count)(*[run.nbytes for run in runs]),
+        words.from_buffer(dsts),
+        words.from_buffer(srcs),
+        (ctypes.c_size_t * count).from_buffer(array("Q", runs.nbytes)),
         count,
         ctypes.byref(_STREAM_ORDER),
         _FIRST_COPY,
