@@ -23,7 +23,7 @@ import mmap
 import os
 from pathlib import Path
 
-import torch
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class ArenaError(RuntimeError):
 
 
 class Arena:
-    """A shared-memory file of ``size`` bytes mapped into this process as a uint8 tensor."""
+    """A shared-memory file of ``size`` bytes mapped into this process as a uint8 array."""
 
     def __init__(self, name: str, size: int, directory: Path = SHM_DIR):
         if size <= 0:
@@ -46,7 +46,7 @@ class Arena:
         self._fd = self._create()
         try:
             self._map = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.array = np.frombuffer(self._map, dtype=np.uint8)
         except BaseException:
             os.close(self._fd)
             self.path.unlink(missing_ok=True)
@@ -81,7 +81,7 @@ class Arena:
         """Unmaps and removes the file; clients keep their own mappings until they let go."""
         if self._fd < 0:
             return
-        del self.tensor
+        del self.array
         try:
             self._map.close()
         except BufferError:

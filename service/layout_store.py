@@ -89,7 +89,7 @@ class LayoutStore:
         self.host = HostTier(
             block_bytes,
             arena.size,
-            buffer=arena.tensor,
+            buffer=arena.array,
             lower=self.disk,
             remote=self.remote,
             write_behind=True,

@@ -56,7 +56,7 @@ cat "$installs"
 rm -f "$installs"
 
 # The daemons these tests start run under the main environment, as a node's daemon runs beside
-# its engines' environments: vLLM's CUDA build of torch would add 2 s to every daemon start.
+# its engines' environments.
 KVTIER_TEST_DAEMON_PYTHON=$(command -v python) VLLM_TARGET_DEVICE=cpu \
     .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
     tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \

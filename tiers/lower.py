@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
+
+if TYPE_CHECKING:
+    import torch
 
 ALREADY_STORED = -1
 """``reserve`` result: this tier or one below holds the hash (or is writing it)."""

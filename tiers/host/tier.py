@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.gpu.pinned import allocate_host
 from kvtier.tiers.hashing import BlockHash, check_hashes
 from kvtier.tiers.host.admission import AdmissionPolicy, AdmitAll
 from kvtier.tiers.host.behind import Below, WriteBehind
 from kvtier.tiers.host.promote import Promoter, SlotOps
 from kvtier.tiers.host.residency import EventFn, Residency
+from kvtier.tiers.host.slab import Slab
 from kvtier.tiers.host.slots import READY, WRITING, SlotTable
 from kvtier.tiers.lower import (
     ALREADY_STORED,
@@ -42,6 +42,9 @@ from kvtier.tiers.lower import (
     RemoteTierLike,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 class HostTier:
     """Fixed-slot block store in host memory over an optional disk and remote tier."""
@@ -51,7 +54,7 @@ class HostTier:
         block_bytes: int,
         capacity_bytes: int,
         *,
-        buffer: torch.Tensor | None = None,
+        buffer: np.ndarray | None = None,
         pin: bool | None = None,
         lower: DiskTierLike | None = None,
         remote: RemoteTierLike | None = None,
@@ -73,16 +76,10 @@ class HostTier:
                 raise ValueError(
                     f"a lower tier's blocks are {tier.block_bytes} B, not {block_bytes}"
                 )
-        if buffer is None:
-            buffer = allocate_host(num_slots * block_bytes, pin)
-        elif buffer.dtype != torch.uint8 or buffer.numel() < num_slots * block_bytes:
-            raise ValueError(f"host buffer must be uint8 with >= {num_slots * block_bytes} bytes")
-        self.block_bytes = block_bytes
-        self.num_slots = num_slots
-        self.slab = buffer[: num_slots * block_bytes].view(num_slots, block_bytes)
-        self._slab_np = self.slab.numpy()
-        self.lower = lower
-        self.remote = remote
+        self.block_bytes, self.num_slots = block_bytes, num_slots
+        self._memory = Slab(num_slots, block_bytes, buffer, pin)
+        self._slab_np = self._memory.array
+        self.lower, self.remote = lower, remote
         self._below = lower is not None or remote is not None
         """Whether an in-memory answer may fall short: a tier below may hold what this lacks."""
         self.counters = counters or TierCounters("host")
@@ -130,6 +127,11 @@ class HostTier:
     @reclaim.setter
     def reclaim(self, reclaim: Callable[[], bool] | None) -> None:
         self._promoter.reclaim = reclaim
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """uint8 ``[num_slots, block_bytes]``: the slots, for an engine's copy engine."""
+        return self._memory.tensor
 
     # ---- queries ----
 
@@ -244,8 +246,7 @@ class HostTier:
     # ---- store ----
 
     def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes] = ()) -> list[int]:
-        """Reserves a slot for each hash; ``ALREADY_STORED``, ``NO_SPACE`` or ``NOT_ADMITTED``
-        where it can't.
+        """A slot per hash, or ``ALREADY_STORED``, ``NO_SPACE`` or ``NOT_ADMITTED`` where none.
 
         The hash is claimed at once (a second reserve of it sees ``ALREADY_STORED``) but the
         slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
@@ -288,8 +289,7 @@ class HostTier:
 
         ``slots`` are taken in chain order (a prefix head first): they enter the LRU tail
         first. With ``write_behind`` each is written to the tiers below from its slot, pinned
-        until they are done.
-        """
+        until they are done."""
         committed: list[tuple[int, BlockHash, bytes, list[Below]]] = []
         with self._lock:
             table = self._slots
