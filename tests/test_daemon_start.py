@@ -19,6 +19,7 @@ import pytest
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.service import config
+from kvtier.service.cli import build_parser
 from kvtier.service.config import ConfigError, DaemonConfig
 
 from daemonutil import (
@@ -330,3 +331,22 @@ def test_a_daemon_serves_its_tiers_without_loading_torch(daemons):
             assert reply.status == 200
     maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     assert "libtorch" not in maps
+
+
+def test_the_kvtier_command_imports_only_the_subcommand_it_runs():
+    """``kvtier serve`` built every subcommand's parser before it ran, the benchmarks' too, and
+    they import torch: the daemon the README starts loaded it after all."""
+    code = (
+        "import contextlib, runpy, sys\n"
+        "for argv in (['serve', '--help'], ['-v', 'serve', '--help'], ['stats', '--help']):\n"
+        "    sys.argv = ['kvtier', *argv]\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(None):\n"
+        "        runpy.run_module('kvtier.service.cli', run_name='__main__')\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvtier.bench')))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert run.stdout.strip() == "[]", run.stdout
+    argv = ["bench", "tiers", "--blocks", "8"]
+    assert build_parser(argv).parse_args(argv).blocks == 8  # a benchmark gets its arguments
