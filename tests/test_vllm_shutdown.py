@@ -34,8 +34,16 @@ def test_a_second_shutdown_does_nothing(make_engine) -> None:
 
 
 EXIT_SCRIPT = """
-import atexit, json, sys
+import atexit, json, sys, threading
 from pathlib import Path
+
+# Registered first, so it runs last: a kvtier thread still alive then is a client that goes
+# on reopening its session after the daemon is gone (and makes its socket's directory again).
+def kvtier_threads():
+    print("kvtier threads at exit:", [t.name for t in threading.enumerate() if "kvtier" in t.name])
+
+
+atexit.register(kvtier_threads)
 
 sys.path.insert(0, sys.argv[2])
 import test_vllm_connector as harness
@@ -52,14 +60,15 @@ atexit.register(daemon.cleanup)
 engine = harness.Engine(daemon, model)
 engine.add([*harness.prompt(61, 4 * harness.BLOCK), 1], "stored")
 engine.run()
-atexit.register(engine.worker.shutdown)  # runs first, as an in-process vLLM's exit hook does
+atexit.register(engine.close)  # runs first, as an in-process vLLM's exit hook does
 print("served")
 """
 
 
 def test_shutdown_at_interpreter_exit_is_clean(tmp_path) -> None:
     """vLLM's in-process engine is shut down by an exit hook, after Python has stopped every
-    thread pool: the worker's shutdown must still end without an error."""
+    thread pool: the worker's and the scheduler's shutdown must still end without an error,
+    and leave no kvtier thread running."""
     script = tmp_path / "exit_shutdown.py"
     script.write_text(EXIT_SCRIPT)
     model = tmp_path / "model"
@@ -75,3 +84,5 @@ def test_shutdown_at_interpreter_exit_is_clean(tmp_path) -> None:
     assert "served" in done.stdout, done.stderr[-4000:]
     assert done.returncode == 0, done.stderr[-4000:]
     assert "Traceback" not in done.stderr, done.stderr[-4000:]
+    # the scheduler's side too: its client reopened its session after the daemon was removed
+    assert "kvtier threads at exit: []" in done.stdout, done.stdout[-2000:]
