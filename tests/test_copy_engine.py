@@ -218,7 +218,7 @@ def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
     lib, stream = MemmoveRuntime(), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
+    runs = Runs(device=[8, 40], host=[0, 16], nbytes=[8, 16])
     copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
     assert not host[8:16].any()
@@ -226,9 +226,9 @@ def test_runtime_copies_move_each_run_its_way_and_never_outside_either_buffer():
     copy_runs(lib, stream, host, back, runs, to_host=False)
     assert torch.equal(back[8:16], device[8:16]) and torch.equal(back[40:56], device[40:56])
     assert lib.calls == 4
-    for bad in (Run(device=0, host=24, nbytes=16), Run(device=56, host=0, nbytes=16)):
+    for bad in (Runs(device=[0], host=[24], nbytes=[16]), Runs(device=[56], host=[0], nbytes=[16])):
         with pytest.raises(IndexError):
-            copy_runs(lib, stream, host, device, Runs.of([bad]), to_host=True)
+            copy_runs(lib, stream, host, device, bad, to_host=True)
     assert lib.calls == 4
 
 
@@ -264,7 +264,7 @@ def test_a_transfer_goes_to_the_runtime_as_one_batch_in_either_signature(version
     lib, stream = BatchRuntime(version), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
+    runs = Runs(device=[8, 40], host=[0, 16], nbytes=[8, 16])
     copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))
     back = torch.zeros(64, dtype=torch.uint8)
@@ -272,9 +272,8 @@ def test_a_transfer_goes_to_the_runtime_as_one_batch_in_either_signature(version
     assert torch.equal(back[8:16], device[8:16]) and torch.equal(back[40:56], device[40:56])
     assert (lib.batches, lib.calls) == (2, 0)
     with pytest.raises(IndexError):
-        copy_runs(
-            lib, stream, host, device, Runs.of([*runs, Run(device=56, host=0, nbytes=16)]), True
-        )
+        beyond = Runs(device=[*runs.device, 56], host=[*runs.host, 0], nbytes=[*runs.nbytes, 16])
+        copy_runs(lib, stream, host, device, beyond, True)
     assert lib.batches == 2
 
 
@@ -282,7 +281,7 @@ def test_a_runtime_that_refuses_a_batch_gets_one_copy_per_run_from_then_on():
     lib, stream = BatchRuntime(13000, refuse=True), SimpleNamespace(cuda_stream=7)
     device = torch.arange(64, dtype=torch.uint8)
     host = torch.zeros(32, dtype=torch.uint8)
-    runs = Runs.of([Run(device=8, host=0, nbytes=8), Run(device=40, host=16, nbytes=16)])
+    runs = Runs(device=[8, 40], host=[0, 16], nbytes=[8, 16])
     for _ in range(2):
         copy_runs(lib, stream, host, device, runs, to_host=True)
     assert host[:8].tolist() == list(range(8, 16)) and host[16:].tolist() == list(range(40, 56))

@@ -8,7 +8,7 @@ turns a 100-block hit into a handful of DMAs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -31,15 +31,6 @@ class Runs:
     device: list[int]
     host: list[int]
     nbytes: list[int]
-
-    @classmethod
-    def of(cls, runs: Iterable[Run]) -> Runs:
-        made = cls([], [], [])
-        for run in runs:
-            made.device.append(run.device)
-            made.host.append(run.host)
-            made.nbytes.append(run.nbytes)
-        return made
 
     def __len__(self) -> int:
         return len(self.nbytes)
