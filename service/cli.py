@@ -3,7 +3,8 @@
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and ``run(args)``;
 modules are found by name so that nothing here imports ``kvtier.bench`` (benchmarks may import
 everything, nothing imports them). Only the module of the subcommand named is imported: the
-benchmarks import torch, which ``kvtier serve`` must not load (1.4 s of its start, 190 MB).
+benchmarks import torch, which ``kvtier serve`` must not load (1.4 s of its start, 190 MB), and
+which a daemon-only install lacks: a benchmark named there says so instead of a traceback.
 """
 
 from __future__ import annotations
@@ -33,8 +34,19 @@ def _add(
 ) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
     parser.set_defaults(_module=module)
-    if named:  # only its own arguments are ever parsed
-        importlib.import_module(module).add_arguments(parser)
+    if not named:  # only its own arguments are ever parsed
+        return
+    try:
+        subcommand = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        parser.exit(
+            2,
+            f"{parser.prog} needs torch, which is not installed here: "
+            "pip install 'kvtier[torch]' (or any torch >= 2.4 build of your own)\n",
+        )
+    subcommand.add_arguments(parser)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

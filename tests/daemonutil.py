@@ -213,6 +213,16 @@ class Daemon:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout=60)
 
+    @contextlib.contextmanager
+    def frozen(self):
+        """The daemon stopped (SIGSTOP) for the block's length: its sockets stay open and
+        nothing on them is answered; it goes on (SIGCONT) however the block ends."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield self
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0

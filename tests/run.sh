@@ -18,10 +18,18 @@ if ((${#need[@]})); then
 fi
 pip install torch==2.13.0 -e '.[test,mooncake]'
 
-# Both vLLM environments install while the main suite runs: their downloads and unpacking
+# The other environments install while the main suite runs: their downloads and unpacking
 # overlap its tests instead of adding to them (about 5 minutes of a fresh run).
-install_vllm_envs() {
-    local venv=.venv-vllm
+install_other_envs() {
+    # A node's daemon as the README's first command installs it: no torch.
+    local venv=.venv-daemon
+    [ -x "$venv/bin/python" ] || python -m venv "$venv"
+    "$venv/bin/pip" install -q -e .
+    if "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+        echo "the daemon's environment has torch: kvtier depends on it again" >&2
+        return 1
+    fi
+    venv=.venv-vllm
     [ -x "$venv/bin/python" ] || python -m venv "$venv"
     "$venv/bin/pip" install -q uv
     local overrides
@@ -40,7 +48,7 @@ install_vllm_envs() {
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 }
 installs=$(mktemp)
-install_vllm_envs >"$installs" 2>&1 &
+install_other_envs >"$installs" 2>&1 &
 installer=$!
 
 ruff check .
@@ -49,16 +57,16 @@ python -m pytest -q
 
 if ! wait "$installer"; then
     cat "$installs"
-    echo "installing the vLLM environments failed" >&2
+    echo "installing the daemon's and the vLLM environments failed" >&2
     exit 1
 fi
 cat "$installs"
 rm -f "$installs"
 
-# The daemons these tests start run under the main environment, as a node's daemon runs beside
-# its engines' environments.
-KVTIER_TEST_DAEMON_PYTHON=$(command -v python) VLLM_TARGET_DEVICE=cpu \
-    .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
+# The daemons these tests start run in the daemon's environment, without torch, as a node's
+# daemon runs beside its engines' environments.
+export KVTIER_TEST_DAEMON_PYTHON=$PWD/.venv-daemon/bin/python
+VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
     tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
     tests/test_vllm_hits.py tests/test_vllm_events.py tests/test_vllm_identity.py \
     tests/test_vllm_fence.py tests/test_vllm_gate.py tests/test_vllm_pins.py \

@@ -25,16 +25,13 @@ def test_a_frozen_daemon_costs_one_deadline_then_calls_miss_at_once(daemon):
     client = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("frozen", i) for i in range(4)]
     assert store(client, hashes) == hashes
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         for _ in range(20):
             assert client.lookup(hashes).total == 0
         assert client.reserve([block_hash("new", 0)])[0] < 0
         assert client.acquire(hashes) == []
         assert client.breaker.trips == 1
         assert client.breaker.short_circuited >= 21  # only the first call waited
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     assert load(client, hashes) == hashes
     assert client.sessions_opened == 1
@@ -49,16 +46,13 @@ def test_a_frozen_daemon_still_answers_lookups_from_its_index_until_a_call_trips
     hashes = [block_hash("frozen-index", i) for i in range(4)]
     assert store(client, hashes) == hashes
     probed = client._lookups.probed
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         assert client.lookup(hashes).host == 4
         assert client._lookups.probed == probed + 1
         assert client.acquire(hashes) == []
         assert client.breaker.is_open
         assert client.lookup(hashes).total == 0
         assert client.breaker.trips == 1
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     assert load(client, hashes) == hashes
     client.close()
@@ -126,11 +120,8 @@ def test_a_late_commit_chunk_fails_that_chunk_only(daemon, slot_stream):
     def second_is_late(method, request, timeout):
         calls.append(list(request.slots))
         if len(calls) == 2:
-            daemon.proc.send_signal(signal.SIGSTOP)
-            try:
+            with daemon.frozen():
                 return call(method, request, timeout)
-            finally:
-                daemon.proc.send_signal(signal.SIGCONT)
         return call(method, request, timeout)
 
     client.slot_calls.call = second_is_late
@@ -202,13 +193,10 @@ def test_the_clients_of_one_daemon_in_a_process_share_one_deadline(daemon):
     second = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("shared", i) for i in range(4)]
     assert store(first, hashes) == hashes
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         assert first.lookup(hashes).total == 0  # waits out its deadline
         assert second.lookup(hashes).total == 0  # misses at once
         assert (first.breaker.trips, second.breaker.short_circuited) == (1, 1)
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     first.close()
     wait_until(lambda: not second.breaker.is_open, "the breaker to close (second's probe)")
     assert load(second, hashes) == hashes
@@ -223,13 +211,10 @@ def test_a_trip_ends_the_lookups_still_waiting(daemon):
     other = daemon.client(timeout_s=TIMEOUT_S, lookup_index=False)
     hashes = [block_hash("waiting", i) for i in range(4)]
     assert store(patient, hashes) == hashes
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         waiting = patient.lookup_async(hashes)
         assert other.lookup(hashes).total == 0  # waits out its deadline: the breaker opens
         assert waiting.result(timeout=60).total == 0
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: not patient.breaker.is_open, "the breaker to close")
     assert patient.lookup(hashes).total == len(hashes)
     patient.close()

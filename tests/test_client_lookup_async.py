@@ -41,12 +41,9 @@ def test_a_frozen_daemon_does_not_block_the_caller(daemon) -> None:
     try:
         hashes = [block_hash("frozen", i) for i in range(4)]
         store(client, hashes)
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
+        with daemon.frozen():
             answer = client.lookup_async(hashes)
             assert not answer.done()  # returned while the daemon cannot answer
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
         assert answer.result(timeout=30) == LowerHits(host=4)
     finally:
         client.close()

@@ -83,14 +83,11 @@ def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daem
     )
     hashes = [block_hash("frozen", i) for i in range(4)]
     assert store(client, hashes) == hashes
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         assert client.acquire(hashes) == []  # waited out its deadline
         assert client.breaker.trips == 1
         assert client.reserve([block_hash("new", 0)])[0] < 0  # at once: the breaker is open
         assert client.breaker.short_circuited >= 1
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: not client.breaker.is_open, "the breaker to close")
     # the late acquire's slots came back through its Cancel; the session went on
     wait_until(lambda: held(daemon) == (0, 0), "the late acquire's slots to come back")
@@ -104,9 +101,8 @@ def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_
     client = daemon.client(slot_stream=True, slot_channel=way == "channel", timeout_s=60)
     hashes = [block_hash("broken", i) for i in range(4)]
     assert store(client, hashes) == hashes
-    daemon.proc.send_signal(signal.SIGSTOP)
     got: list[list[int]] = []
-    try:
+    with daemon.frozen():
         loading = threading.Thread(target=lambda: got.append(client.acquire(hashes)))
         loading.start()
         wait_until(lambda: client.slot_calls.streamed >= 3, "the acquire to be on the stream")
@@ -115,8 +111,6 @@ def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_
         assert not loading.is_alive(), "the acquire still waits on the broken stream"
         assert got == [[]]
         assert client.failures == 1
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     # the acquire's Cancel went unary (the stream is broken) and gave its slots back
     assert client.settle(60)
     wait_until(lambda: held(daemon) == (0, 0), "the cut-off acquire's slots to come back")

@@ -350,3 +350,19 @@ def test_the_kvtier_command_imports_only_the_subcommand_it_runs():
     assert run.stdout.strip() == "[]", run.stdout
     argv = ["bench", "tiers", "--blocks", "8"]
     assert build_parser(argv).parse_args(argv).blocks == 8  # a benchmark gets its arguments
+
+
+def test_a_benchmark_says_it_needs_torch_where_torch_is_not_installed():
+    """torch is no longer a dependency (a node's daemon installs without it); a benchmark run
+    there must say what to install, not end in an ImportError's traceback."""
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['torch'] = None  # as if not installed: importing it fails\n"
+        "sys.argv = ['kvtier', 'bench', 'tiers', '--blocks', '8']\n"
+        "runpy.run_module('kvtier.service.cli', run_name='__main__')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "kvtier bench tiers needs torch" in run.stderr
+    assert "pip install 'kvtier[torch]'" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -6,7 +6,6 @@ would end."""
 from __future__ import annotations
 
 import dataclasses
-import signal
 
 import grpc
 import pytest
@@ -64,14 +63,11 @@ def test_a_lookup_a_frozen_daemon_cannot_answer_misses_at_its_deadline(daemon):
     try:
         hashes = [block_hash("frozen", i) for i in range(4)]
         store(client, hashes)
-        daemon.proc.send_signal(signal.SIGSTOP)
-        try:
+        with daemon.frozen():
             answer = client.lookup_async(hashes)
             # Without its deadline it would wait for the daemon: this wait would time out.
             assert answer.result(timeout=60) == LowerHits()
             assert client.failures >= 1
-        finally:
-            daemon.proc.send_signal(signal.SIGCONT)
     finally:
         client.close()
 

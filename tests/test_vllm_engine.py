@@ -651,13 +651,10 @@ def test_daemon_frozen_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     marks = kvtier.start_pass("fault_stop")
     kvtier.wait_reads(marks, FAULT_AFTER_READS)
     assert not kvtier.engine.answered(), "the pass ended before the daemon was stopped"
-    kvtier.daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with kvtier.daemon.frozen():
         # receive waits at most HANG_GUARD_S: the pass must end while the daemon is frozen.
         outputs = kvtier.engine.receive(HANG_GUARD_S)
         frozen_s = time.monotonic() - marks.at
-    finally:
-        kvtier.daemon.proc.send_signal(signal.SIGCONT)
     print(
         f"[{kvtier.name}] pass {normal.seconds:.1f} s normally; {frozen_s:.1f} s with the daemon "
         f"frozen (SIGSTOP) once it had read {FAULT_AFTER_READS} blocks (and a first answer "

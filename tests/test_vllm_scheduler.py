@@ -635,8 +635,7 @@ def test_lookup_never_blocks_the_scheduler(make_engine, daemon) -> None:
     first.run()
     # The lookup goes as a call (as it does to a daemon on another host): no index probe.
     second = make_engine(timeout_s=60, lookup_index=False)
-    daemon.proc.send_signal(signal.SIGSTOP)
-    try:
+    with daemon.frozen():
         request = second.add([*shared, 2], "b")
         # The daemon cannot answer: the step returns all the same, with "b" left waiting.
         assert not second.step(wait_for_lookups=False)
@@ -644,8 +643,6 @@ def test_lookup_never_blocks_the_scheduler(make_engine, daemon) -> None:
         assert second.connector.scheduler.hits.lookups_in_flight == 1
         assert not second.step(wait_for_lookups=False)
         assert second.connector.scheduler.hits.lookups_in_flight == 1
-    finally:
-        daemon.proc.send_signal(signal.SIGCONT)
     second.run()  # once the daemon answers, "b" gets its hit
     assert second.stats["loaded_blocks"] == 4
     assert second.hit_sources == {CacheHitSource.HOST: 4 * BLOCK}
