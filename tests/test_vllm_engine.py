@@ -153,6 +153,8 @@ WORKLOADS = {
     "stop_normal": Workload(ask(DOCS, 10), 16),
     "fault_stop": held_open(ask(DOCS, 8), 16),
     "fault_after_stop": Workload(ask(DOCS[::-1], 9), 16),
+    # Less than a block: a step of the engine that stores and loads nothing.
+    "nudge": Workload([tokens(7000, 12)], 1),
     # 16 requests that each grow to 15 blocks in a 40-block cache: preempted again and again.
     "preempt": Workload([tokens(3000, 2 * BLOCK) + tokens(3100 + i, 40) for i in range(16)], 360),
     # New prefixes (50 blocks each pass, more than vLLM's cache) stored while the daemon
@@ -568,9 +570,23 @@ def test_routers_see_the_tiers_in_vllms_event_stream(kvtier: KVTierEngine) -> No
     Not every doc block need be stored: while the disk writer lags (a loaded machine), host
     slots still being written cannot be evicted, and a store finding none free is refused
     (counted, never waited for). The passes store nothing but doc blocks (a question never
-    fills a block), so their stored count is the number of doc blocks kvtier holds."""
+    fills a block), so their stored count is the number of doc blocks kvtier holds.
+
+    The disk tier announces a block once its write lands, and the scheduler publishes what it
+    has heard at its next step: on a loaded machine the last writes land after the pass's
+    last step. So the engine steps (a request that stores nothing) until the router has heard
+    of as many disk blocks as were stored, or the wait times out."""
     router = kvtier.router
-    router.sync()
+    passes = (kvtier.first, kvtier.again)
+    stored = sum(p.counter("stored_blocks") for p in passes)
+    refused = sum(p.counter("store_failed_blocks") for p in passes)
+
+    def heard_of_every_write() -> bool:
+        kvtier.run("nudge")
+        router.sync()
+        return len(router.held[MEDIUM_STORAGE]) >= stored
+
+    wait_until(heard_of_every_write, "the disk tier's writes to reach the router")
     docs = {h for doc in DOCS for h in router_hashes(doc, len(doc) // BLOCK, BLOCK)}
     on_gpu = {
         h
@@ -579,9 +595,6 @@ def test_routers_see_the_tiers_in_vllms_event_stream(kvtier: KVTierEngine) -> No
         for h in event.block_hashes
     }
     held = ", ".join(f"{medium} {len(hashes)}" for medium, hashes in router.held.items())
-    passes = (kvtier.first, kvtier.again)
-    stored = sum(p.counter("stored_blocks") for p in passes)
-    refused = sum(p.counter("store_failed_blocks") for p in passes)
     print(
         f"[{kvtier.name}] the router holds blocks: {held}; doc blocks stored {stored}, refused "
         f"{refused}"
