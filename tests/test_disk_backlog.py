@@ -16,13 +16,11 @@ from kvtier.tiers.disk.writer import DiskWriter
 from kvtier.tiers.host.tier import HostTier
 from kvtier.tiers.tunables import TUNABLES
 
+from diskutil import key
+
 BLOCK = 4096
 SIG = xxhash.xxh3_128_digest(b"layout-a")
 BACKLOG = 4
-
-
-def key(i: int) -> bytes:
-    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 
 
 def block(i: int) -> np.ndarray:

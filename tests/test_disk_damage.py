@@ -28,16 +28,14 @@ from kvtier.tiers.disk.directory import CLEAN_FILE, LOCK_FILE, DirectoryInUse
 from kvtier.tiers.disk.index import BlockIndex
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 
+from diskutil import key
+
 BLOCK = 4096
 COUNT = 600
 META = 100
 ENTRY_BYTES = 50 + META  # an index value: the entry's header, then the meta
 PAGE = 4096
 SIG = xxhash.xxh3_128_digest(b"layout-damage")
-
-
-def key(i: int) -> bytes:
-    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
 
 
 def block(i: int) -> np.ndarray:

@@ -8,23 +8,13 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import xxhash
 
 from kvtier.tiers.disk import writer
 from kvtier.tiers.disk.slots import slot_stride
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 from kvtier.tiers.tunables import TUNABLES
 
-BLOCK = 16 * 1024 + 8  # not whole pages: each put copies into a pooled slot-sized buffer
-SIG = xxhash.xxh3_128_digest(b"layout-a")
-
-
-def key(i: int) -> bytes:
-    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
-
-
-def block(i: int) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, BLOCK, dtype=np.uint8)
+from diskutil import BLOCK, SIG, block, key
 
 
 def slot_contents(path, slots: int) -> set[bytes]:

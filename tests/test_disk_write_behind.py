@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import signal
 import subprocess
 import sys
 import threading
@@ -15,33 +14,22 @@ import time
 import lmdb
 import numpy as np
 import pytest
-import xxhash
 
 from kvtier.tiers.disk import slots as disk_slots
 from kvtier.tiers.disk.index import _ENTRY, FORMAT_VERSION
 from kvtier.tiers.disk.tier import MAX_META_BYTES, DiskTier
 
-BLOCK = 16 * 1024 + 8  # not whole pages: always written through a bounce buffer
+from diskutil import (
+    SIG,
+    assert_holds_exactly,
+    block,
+    key,
+    read,
+    run_until_killed,
+    tier,
+)
+
 ALIGNED = 4 * 4096  # whole pages: written straight from the caller's buffer
-SIG = xxhash.xxh3_128_digest(b"layout-a")
-
-
-def key(i: int) -> bytes:
-    return xxhash.xxh3_128_digest(i.to_bytes(8, "little"))
-
-
-def block(i: int, size: int = BLOCK) -> np.ndarray:
-    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
-
-
-def tier(path, capacity_blocks: int = 64, **kwargs) -> DiskTier:
-    kwargs.setdefault("sync", False)
-    return DiskTier(path, SIG, BLOCK, capacity_blocks * BLOCK, **kwargs)
-
-
-def read(t: DiskTier, i: int) -> np.ndarray | None:
-    out = np.empty(BLOCK, np.uint8)
-    return out if t.get_into(key(i), out) else None
 
 
 class Outcomes:
@@ -359,13 +347,5 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_on_done_true_survives_sigkill(tmp_path):
-    count = 12
-    child = subprocess.run(
-        [sys.executable, "-c", _DURABLE, str(tmp_path), SIG.hex(), str(BLOCK), str(count)],
-        capture_output=True,
-        timeout=120,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr.decode()
-    with tier(tmp_path) as t:
-        for i in range(count):
-            assert np.array_equal(read(t, i), block(i))
+    run_until_killed(_DURABLE, tmp_path, count=12, timeout=120)
+    assert_holds_exactly(tmp_path, 12)
