@@ -31,7 +31,6 @@ import xxhash
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import test_vllm_connector as harness
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -53,6 +52,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 import kvtier.connector.vllm.connector as connector_module
 from kvtier.connector.vllm.metadata import KVTierMetadata
 
+import vllmharness as harness
 from daemonutil import Daemon
 
 MAX_STEPS = 500

@@ -1,10 +1,6 @@
-"""KVTierConnector under real vLLM 0.33.0: its Scheduler, its KV tensors, a real daemon.
-
-The scheduler role is built by vLLM's own ``Scheduler``; the worker role drives KV tensors made
-by vLLM's ``allocate_kv_cache``. A fake model runner stands in for the forward pass: it writes,
-for every token it computes, values that depend only on the token prefix, and before writing
-it checks that every earlier token of the request holds exactly its values, which is what
-attention would read. A block loaded from kvtier with one wrong byte fails that check.
+"""KVTierConnector under real vLLM 0.33.0 (``vllmharness``): prefixes computed once then loaded
+bit-exact in every KV layout, store policies, disk round trips, a killed daemon, preemption,
+aborts, statistics and metrics.
 
 Run in a venv with vLLM (see README): ``VLLM_TARGET_DEVICE=cpu pytest -m vllm``.
 """
@@ -12,43 +8,18 @@ Run in a venv with vLLM (see README): ``VLLM_TARGET_DEVICE=cpu pytest -m vllm``.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
-import urllib.request
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
 import prometheus_client
 import pytest
-import xxhash
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
 import torch
-from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.request import RequestStatus
 
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.connector import KVTierConnector
@@ -57,343 +28,17 @@ from kvtier.connector.vllm.layout import kv_placement
 from kvtier.connector.vllm.metadata import KVTierMetadata
 from kvtier.tiers.gpu.placement import KVPlacement
 
-from daemonutil import Daemon
+import vllmdaemon
+import vllmharness as harness
+from vllmdaemon import assert_daemon_holds_nothing, daemon_stats
+from vllmharness import BLOCK, HEAD, KV_HEADS, assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 
-BLOCK = 16
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-KV_HEADS, HEAD = 2, 16
-BLOCK_BYTES = len(LAYERS) * 2 * BLOCK * KV_HEADS * HEAD * 2  # fp16, K and V
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": KV_HEADS,
-    "num_hidden_layers": len(LAYERS),
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "float16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-MAX_STEPS = 500
-
-
-# ---------------------------------------------------------------- known KV values
-
-
-def prefix_values(tokens: list[int]) -> torch.Tensor:
-    """``[len(tokens), layers, heads, 2*head]`` fp16: token p's KV depends on tokens[:p+1]."""
-    seeds = np.empty(len(tokens), dtype=np.uint64)
-    h = 0
-    for p, token in enumerate(tokens):
-        h = xxhash.xxh64_intdigest(h.to_bytes(8, "little") + int(token).to_bytes(4, "little"))
-        seeds[p] = h
-    width = len(LAYERS) * KV_HEADS * 2 * HEAD
-    idx = np.arange(1, width + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    mixed = (seeds[:, None] ^ idx[None, :]) * np.uint64(0xBF58476D1CE4E5B9)
-    ints = (mixed >> np.uint64(40)) % np.uint64(2049)
-    values = ints.astype(np.int64) - 1024  # every integer in [-1024, 1024] is exact in fp16
-    shaped = values.reshape(len(tokens), len(LAYERS), KV_HEADS, 2 * HEAD)
-    return torch.from_numpy(shaped).to(torch.float16)
-
-
-# ---------------------------------------------------------------- the engine
-
-
-class Engine:
-    """vLLM's Scheduler with both roles of KVTierConnector and a fake model runner."""
-
-    def __init__(
-        self,
-        daemon: Daemon,
-        model_dir: Path,
-        *,
-        num_blocks: int = 64,
-        kv_layout: str = "LBHNC",
-        max_batched_tokens: int = 256,
-        **extra,
-    ):
-        extra.setdefault("endpoint", daemon.target)
-        extra.setdefault("connect_wait_s", 30.0)
-        self.vllm_config = make_vllm_config(model_dir, extra, max_batched_tokens, kv_layout)
-        spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
-        )
-        groups = [KVCacheGroupSpec(list(LAYERS), spec)]
-        self.kv_cache_config = get_kv_cache_config_from_groups(
-            self.vllm_config, groups, num_blocks * BLOCK_BYTES
-        )
-        self.vllm_config.cache_config.num_gpu_blocks = self.kv_cache_config.num_blocks
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.kv_cache_config,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK,
-        )
-        self.worker = KVConnectorFactory.create_connector(
-            config=self.vllm_config,
-            role=KVConnectorRole.WORKER,
-            kv_cache_config=self.kv_cache_config,
-        )
-        layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
-        self.kv_caches = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), layout)
-        self.worker.register_kv_caches(self.kv_caches)
-        self.block_tables: dict[str, list[int]] = {}
-        self.checked_tokens = 0
-        self.stats: dict[str, int] = {}
-        self.hit_sources: dict[CacheHitSource, int] = {}
-        self.scheduler_stats: dict[str, int] = {}
-        self.before_load: Callable[[KVTierMetadata], None] | None = None
-        self.preemptions = 0
-
-    @property
-    def connector(self) -> KVTierConnector:
-        return self.scheduler.connector
-
-    def add(self, tokens: list[int], req_id: str, max_tokens: int = 3, **kwargs) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(
-            request_id=req_id,
-            prompt_token_ids=list(tokens),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK, sha256),
-            **kwargs,
-        )
-        self.scheduler.add_request(request)
-        return request
-
-    def step(self, wait_for_lookups: bool = True) -> bool:
-        """One scheduler step and a fake forward pass; True if any token was scheduled.
-
-        It first lets the daemon answer the connector's lookups in flight, so that the steps
-        a test takes do not depend on how fast the daemon answers; ``wait_for_lookups=False``
-        steps as vLLM does, never waiting.
-        """
-        if wait_for_lookups:
-            self.connector.scheduler.hits.wait_for_lookups(timeout=60)
-        out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
-        worker = self.worker
-        worker.bind_connector_metadata(meta)
-        worker.handle_preemptions(meta)
-        self.preemptions += len(out.preempted_req_ids or ())
-        if self.before_load is not None:
-            self.before_load(meta)
-        load_errors: set[int] = set()
-        if out.has_sync_kv_loads:
-            worker.start_load_kv(None)
-            load_errors = worker.get_block_ids_with_load_errors()
-        sampled = self._forward(out, load_errors)
-        if not out.has_sync_kv_loads:
-            worker.start_load_kv(None)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(out.finished_req_ids)
-        stats = self._take_stats()
-        kv_output = KVConnectorOutput(
-            finished_sending=results.finished_sending,
-            finished_recving=results.finished_recving,
-            failed_recving=results.failed_recving,
-            invalid_block_ids=load_errors | worker.get_block_ids_with_load_errors(),
-            kv_connector_stats=stats,
-        )
-        worker.clear_connector_metadata()
-        req_ids = list(sampled)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled[r] for r in req_ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=kv_output,
-        )
-        outputs = self.scheduler.update_from_output(out, runner_output)
-        for engine_outputs in outputs.values():
-            sched_stats = engine_outputs.scheduler_stats
-            if sched_stats is None:
-                continue
-            if sched_stats.connector_prefix_cache_stats is not None:
-                hits = sched_stats.connector_prefix_cache_stats.hits_by_source
-                for source, n in hits.items():
-                    self.hit_sources[source] = self.hit_sources.get(source, 0) + n
-            for key, value in (sched_stats.kv_connector_stats or {}).items():
-                self.scheduler_stats[key] = self.scheduler_stats.get(key, 0) + value
-        return out.total_num_scheduled_tokens > 0
-
-    def _take_stats(self):
-        stats = self.worker.get_kv_connector_stats()
-        if stats is not None:
-            for key, value in stats.data.items():
-                self.stats[key] = self.stats.get(key, 0) + value
-        return stats
-
-    def _forward(self, out, load_errors: set[int]) -> dict[str, list[int]]:
-        """Checks every earlier token's KV, writes the scheduled tokens' KV, samples.
-
-        A request whose sync load failed this step reads garbage, like a real forward would:
-        it is neither checked nor written, and vLLM must recompute it.
-        """
-        for new in out.scheduled_new_reqs:
-            self.block_tables[new.req_id] = list(new.block_ids[0])
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                self.block_tables[req_id] = list(ids[0]) if ids else []
-            elif ids:
-                self.block_tables[req_id].extend(ids[0])
-        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        sampled: dict[str, list[int]] = {}
-        for req_id, num in out.num_scheduled_tokens.items():
-            request = self.scheduler.requests[req_id]
-            start = computed[req_id]
-            end = start + num
-            tokens = list(request.all_token_ids)
-            values = prefix_values(tokens[:end])
-            if load_errors.intersection(self.block_tables[req_id]):
-                sampled[req_id] = []
-                continue
-            table = torch.tensor(self.block_tables[req_id], dtype=torch.long)
-            positions = torch.arange(end)
-            blocks, offsets = table[positions // BLOCK], positions % BLOCK
-            for layer, name in enumerate(LAYERS):
-                cache = self.kv_caches[name]
-                seen = cache[blocks[:start], :, offsets[:start], :]
-                assert torch.equal(seen, values[:start, layer]), (
-                    f"{req_id}: KV of tokens < {start} differs in layer {layer}"
-                )
-                cache[blocks[start:], :, offsets[start:], :] = values[start:, layer]
-            self.checked_tokens += start
-            if end >= request.num_tokens:
-                sampled[req_id] = [(sum(tokens) + end) % 997 + 3]
-            else:
-                sampled[req_id] = []
-        return sampled
-
-    def run(self) -> int:
-        """Steps until the scheduler has nothing left; returns the steps taken."""
-        steps = 0
-        while self.scheduler.has_requests():
-            assert steps < MAX_STEPS, "the scheduler never drained"
-            if not self.step():
-                # Every request waits for an async load: let the loads land rather than spin,
-                # so the number of steps does not depend on how fast the acquire thread runs.
-                self.worker.worker.wait_for_loads(timeout=60)
-            steps += 1
-        self.worker.worker.drain()  # commits answered after the last step count too
-        self._take_stats()
-        return steps
-
-    def close(self) -> None:
-        self.worker.shutdown()
-        self.connector.shutdown()
-
-
-def make_vllm_config(model_dir: Path, extra: dict, max_batched_tokens: int, layout: str):
-    model = ModelConfig(
-        model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096
-    )
-    scheduler = SchedulerConfig(
-        max_num_seqs=16,
-        max_num_batched_tokens=max_batched_tokens,
-        max_model_len=4096,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
-    )
-    cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
-    # vLLM resolves the layout (asking the connector) before it builds connectors.
-    cache.kv_cache_layout = layout
-    transfer = KVTransferConfig(
-        kv_connector="KVTierConnector",
-        kv_connector_module_path="kvtier.connector.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra,
-        kv_load_failure_policy="recompute",
-    )
-    return VllmConfig(
-        model_config=model,
-        scheduler_config=scheduler,
-        cache_config=cache,
-        kv_transfer_config=transfer,
-        device_config=DeviceConfig("cpu"),
-    )
-
-
-def assert_scheduler_empty(scheduler: Scheduler) -> None:
-    """No request, block or transfer state left behind (as vLLM's own tests check)."""
-    assert not scheduler.requests
-    assert not scheduler.waiting
-    assert not scheduler.running
-    assert not scheduler.finished_recving_kv_req_ids
-    manager = scheduler.kv_cache_manager
-    assert not manager.coordinator.single_type_managers[0].req_to_blocks
-    pool = manager.block_pool
-    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
-
-
-def prompt(seed: int, num_tokens: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(3, 990, num_tokens)]
-
-
-# ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _none_hash() -> None:
-    init_none_hash(sha256)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return tmp_path
-
-
-@pytest.fixture
-def daemon():
-    d = Daemon(host_bytes=64 * BLOCK_BYTES, disk_bytes=1024 * BLOCK_BYTES)
-    d.start()
-    yield d
-    d.cleanup()
-
-
-@pytest.fixture
-def make_engine(daemon: Daemon, model_dir: Path):
-    engines: list[Engine] = []
-
-    def make(**kwargs) -> Engine:
-        engine = Engine(kwargs.pop("daemon", daemon), model_dir, **kwargs)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
-
-
-def daemon_stats(daemon: Daemon) -> dict:
-    """The daemon's ``/stats`` JSON (every counter, per tier, and the slots sessions hold)."""
-    url = f"http://127.0.0.1:{daemon.stats_port}/stats"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return json.load(reply)
-
-
-def assert_daemon_holds_nothing(engine: Engine, daemon: Daemon) -> None:
-    engine.worker.worker.drain()
-    stats = daemon_stats(daemon)
-    assert stats["sessions"] >= 1  # our sessions are alive: the slots were handed back
-    assert stats["reserved_slots"] == 0
-    assert stats["acquired_slots"] == 0
+_none_hash = harness._none_hash
+model_dir = harness.model_dir
+daemon = vllmdaemon.daemon
+make_engine = harness.make_engine
 
 
 # ---------------------------------------------------------------- tests

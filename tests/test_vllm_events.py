@@ -19,9 +19,6 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, BLOCK_BYTES, Engine, prompt
-from test_vllm_scheduler import flood
 from vllm.config import KVEventsConfig
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -31,9 +28,12 @@ import kvtier.connector.vllm.events as events_module
 import kvtier.connector.vllm.scheduler as scheduler_module
 from kvtier.proto import kvtier_pb2 as pb
 
+import vllmharness as harness
 from daemonutil import BLOCK_BYTES as RAW_BLOCK_BYTES
 from daemonutil import SIGNATURE, Daemon, block_hash, content, free_port, wait_until
 from eventutil import Router, events_config, router_hashes
+from vllmdaemon import flood
+from vllmharness import BLOCK, BLOCK_BYTES, Engine, prompt
 
 pytestmark = pytest.mark.vllm
 

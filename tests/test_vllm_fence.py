@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
-
 from kvtier.connector.client.daemon_client import DaemonClient
 
+import vllmdaemon
+import vllmharness as harness
 from daemonutil import Daemon, wait_until
+from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -57,7 +57,7 @@ def lose_session(client: DaemonClient) -> None:
 
 def settled(daemon: Daemon, client: DaemonClient, sessions: int) -> bool:
     """The client holds a new session and the daemon holds nothing of the lost one."""
-    stats = harness.daemon_stats(daemon)
+    stats = vllmdaemon.daemon_stats(daemon)
     return (
         client.sessions_opened >= sessions
         and client.connected

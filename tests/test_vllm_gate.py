@@ -16,20 +16,22 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, daemon_stats, prompt
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm.connector import KVTierConnector
 from kvtier.connector.vllm.stats import KVTierStats
 
+import vllmdaemon
+import vllmharness as harness
 from daemonutil import Daemon, wait_until
+from vllmdaemon import daemon_stats
+from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 
 _none_hash = harness._none_hash
 model_dir = harness.model_dir
-daemon = harness.daemon
+daemon = vllmdaemon.daemon
 make_engine = harness.make_engine
 
 SLOW_READ_MS = 200

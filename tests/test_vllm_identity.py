@@ -24,7 +24,6 @@ pytest.importorskip("vllm")
 
 import torch
 from safetensors.torch import save_file
-from test_vllm_connector import TINY_LLAMA
 from vllm import SamplingParams
 from vllm.config import CacheConfig, ModelConfig, VllmConfig
 from vllm.lora.request import LoRARequest
@@ -34,6 +33,8 @@ from kvtier.connector.vllm.adapters import AdapterKeys
 from kvtier.connector.vllm.identity import model_identity
 from kvtier.connector.vllm.request import extra_keys
 from kvtier.tiers.hashing import ExtraKeys, Namespace, hash_prompt
+
+from vllmharness import TINY_LLAMA
 
 pytestmark = pytest.mark.vllm
 

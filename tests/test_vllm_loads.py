@@ -17,15 +17,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
-
 from kvtier.connector.tunables import TUNABLES
 from kvtier.connector.vllm.loads import StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec
 from kvtier.tiers.gpu.transfer import Transfer
 
+import vllmdaemon
+import vllmharness as harness
 from daemonutil import Daemon, wait_until
+from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -60,7 +60,7 @@ def test_an_async_hit_three_times_the_host_tier_loads_whole(make_engine, daemon)
     assert "load_failed_blocks" not in second.stats
     assert second.checked_tokens >= 3 * HOST_SLOTS * BLOCK  # every loaded byte was read back
     assert_scheduler_empty(second.scheduler)
-    harness.assert_daemon_holds_nothing(second, daemon)
+    vllmdaemon.assert_daemon_holds_nothing(second, daemon)
 
 
 def test_two_async_hits_asked_in_one_step_share_the_room(make_engine, daemon) -> None:
@@ -81,7 +81,7 @@ def test_two_async_hits_asked_in_one_step_share_the_room(make_engine, daemon) ->
     assert second.stats["loaded_blocks"] == 3 * HOST_SLOTS
     assert "load_failed_blocks" not in second.stats, second.stats
     assert_scheduler_empty(second.scheduler)
-    harness.assert_daemon_holds_nothing(second, daemon)
+    vllmdaemon.assert_daemon_holds_nothing(second, daemon)
 
 
 # ---- one streamed load on its own ----
@@ -173,7 +173,7 @@ def test_a_release_goes_out_while_a_commit_is_held_up(make_engine, daemon, monke
                 break
         assert second.stats.get("loaded_blocks") == 4
         wait_until(
-            lambda: harness.daemon_stats(daemon)["acquired_slots"] == 0,
+            lambda: vllmdaemon.daemon_stats(daemon)["acquired_slots"] == 0,
             "the loaded slots released while the commit is held up",
             timeout=30,
         )

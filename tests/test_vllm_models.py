@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import threading
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +25,6 @@ import xxhash
 
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
 import torch
 from modelutil import Model, ModelEngine
 from vllm.v1.kv_cache_interface import (
@@ -44,7 +42,9 @@ from kvtier.connector.vllm.connector import KVTierConnector
 from kvtier.connector.vllm.groups import Pipeline, groups_from_kv_cache_config
 from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
 
+import vllmharness as harness
 from daemonutil import Daemon
+from vllmdaemon import daemon_stats
 
 pytestmark = pytest.mark.vllm
 
@@ -128,11 +128,6 @@ WINDOWED = ["gpt-oss", "gemma-3", "llama-4"]
 
 def prompt(seed: int, n: int) -> list[int]:
     return harness.prompt(seed, n)
-
-
-def daemon_stats(daemon: Daemon) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.stats_port}/stats", timeout=10) as r:
-        return json.load(r)
 
 
 @pytest.fixture

@@ -16,19 +16,20 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, assert_scheduler_empty, daemon_stats, prompt
-from test_vllm_scheduler import flood
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.vllm.pins import pin_seconds
 
+import vllmdaemon
+import vllmharness as harness
 from daemonutil import wait_until
+from vllmdaemon import daemon_stats, flood
+from vllmharness import BLOCK, assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 
 _none_hash = harness._none_hash
-daemon = harness.daemon
+daemon = vllmdaemon.daemon
 model_dir = harness.model_dir
 make_engine = harness.make_engine
 

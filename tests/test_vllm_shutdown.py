@@ -13,14 +13,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import test_vllm_connector as harness
-from test_vllm_connector import BLOCK, prompt
+import vllmdaemon
+import vllmharness as harness
+from vllmharness import BLOCK, prompt
 
 pytestmark = pytest.mark.vllm
 
 _none_hash = harness._none_hash
 model_dir = harness.model_dir
-daemon = harness.daemon
+daemon = vllmdaemon.daemon
 make_engine = harness.make_engine
 
 
@@ -46,7 +47,7 @@ def kvtier_threads():
 atexit.register(kvtier_threads)
 
 sys.path.insert(0, sys.argv[2])
-import test_vllm_connector as harness
+import vllmharness as harness
 from daemonutil import Daemon
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import init_none_hash
