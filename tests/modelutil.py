@@ -44,7 +44,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -266,18 +266,7 @@ class ModelEngine:
                 invalid_block_ids=spoiled | r.worker.get_block_ids_with_load_errors(),
             )
             r.worker.clear_connector_metadata()
-            req_ids = list(sampled)
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={q: i for i, q in enumerate(req_ids)},
-                    sampled_token_ids=[sampled[q] for q in req_ids],
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=kv_output,
-                )
-            )
+            outputs.append(harness.runner_output(sampled, kv_output))
         engine_outputs = self.scheduler.update_from_output(out, self.aggregator.aggregate(outputs))
         for sched_stats in (o.scheduler_stats for o in engine_outputs.values()):
             if sched_stats is None:

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 import kvtier.connector.vllm.connector as connector_module
 from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
@@ -40,6 +40,7 @@ from vllmharness import (
     all_tokens,
     prefix_values,
     prompt,
+    runner_output,
     settle,
 )
 
@@ -130,18 +131,7 @@ class TPEngine(Engine):
                 kv_connector_stats=self._take_stats() if rank == 1 else None,
             )
             worker.clear_connector_metadata()
-            req_ids = list(sampled)
-            outputs.append(
-                ModelRunnerOutput(
-                    req_ids=req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=[sampled[r] for r in req_ids],
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=kv_output,
-                )
-            )
+            outputs.append(runner_output(sampled, kv_output))
         engine_outputs = self.scheduler.update_from_output(out, self.aggregator.aggregate(outputs))
         for sched_stats in (o.scheduler_stats for o in engine_outputs.values()):
             if sched_stats is not None and sched_stats.connector_prefix_cache_stats is not None:

@@ -196,17 +196,7 @@ class Engine:
             kv_connector_stats=stats,
         )
         worker.clear_connector_metadata()
-        req_ids = list(sampled)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled[r] for r in req_ids],
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=kv_output,
-        )
-        outputs = self.scheduler.update_from_output(out, runner_output)
+        outputs = self.scheduler.update_from_output(out, runner_output(sampled, kv_output))
         for engine_outputs in outputs.values():
             sched_stats = engine_outputs.scheduler_stats
             if sched_stats is None:
@@ -335,6 +325,21 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
 def prompt(seed: int, num_tokens: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(3, 990, num_tokens)]
+
+
+def runner_output(sampled: dict[str, list[int]], kv_output: KVConnectorOutput) -> ModelRunnerOutput:
+    """What vLLM's model runner returns for a step: each request's sampled tokens, in the
+    order given, and the connector's output."""
+    req_ids = list(sampled)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[sampled[r] for r in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv_output,
+    )
 
 
 # ---------------------------------------------------------------- fixtures
