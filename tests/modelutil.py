@@ -291,8 +291,7 @@ class ModelEngine:
             elif ids:
                 for g in range(num_groups):
                     self.block_tables[req_id][g].extend(ids[g])
-        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed = harness.computed_tokens(out)
         sampled: dict[str, list[int]] = {}
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]

@@ -35,10 +35,10 @@ from vllmdaemon import flood
 from vllmharness import (
     BLOCK,
     BLOCK_BYTES,
-    LAYERS,
     Engine,
     all_tokens,
-    prefix_values,
+    check_then_write,
+    computed_tokens,
     prompt,
     runner_output,
     settle,
@@ -140,22 +140,15 @@ class TPEngine(Engine):
         return out.total_num_scheduled_tokens > 0
 
     def _forward_rank1(self, out, spoiled: set[int]) -> None:
-        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed = computed_tokens(out)
         for req_id, num in out.num_scheduled_tokens.items():
             if spoiled.intersection(self.block_tables[req_id]):
                 continue
             start, end = computed[req_id], computed[req_id] + num
-            values = prefix_values(list(self.scheduler.requests[req_id].all_token_ids)[:end])
-            table = torch.tensor(self.block_tables[req_id], dtype=torch.long)
-            positions = torch.arange(end)
-            blocks, offsets = table[positions // BLOCK], positions % BLOCK
-            for layer, name in enumerate(LAYERS):
-                cache = self.rank1_caches[name]
-                seen = cache[blocks[:start], :, offsets[:start], :]
-                assert torch.equal(seen, values[:start, layer]), f"{req_id}: rank 1 KV differs"
-                cache[blocks[start:], :, offsets[start:], :] = values[start:, layer]
+            tokens = list(self.scheduler.requests[req_id].all_token_ids)[:end]
+            check_then_write(
+                self.rank1_caches, self.block_tables[req_id], start, tokens, f"{req_id} (rank 1)"
+            )
 
     def _take_stats(self):
         stats = None

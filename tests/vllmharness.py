@@ -94,6 +94,33 @@ def prefix_values(tokens: list[int]) -> torch.Tensor:
     return torch.from_numpy(shaped).to(torch.float16)
 
 
+def computed_tokens(out) -> dict[str, int]:
+    """Tokens each request of the scheduler's output ``out`` had computed before this step."""
+    computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    cached = out.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return computed
+
+
+def check_then_write(
+    caches: dict[str, torch.Tensor], block_table: list[int], start: int, tokens: list[int], who: str
+) -> None:
+    """What a forward pass over ``tokens[start:]`` does to one rank's KV ``caches`` (one per
+    layer): checks that every earlier token holds exactly its values, as attention would read
+    them, then writes the scheduled tokens' values."""
+    values = prefix_values(tokens)
+    table = torch.tensor(block_table, dtype=torch.long)
+    positions = torch.arange(len(tokens))
+    blocks, offsets = table[positions // BLOCK], positions % BLOCK
+    for layer, name in enumerate(LAYERS):
+        cache = caches[name]
+        seen = cache[blocks[:start], :, offsets[:start], :]
+        assert torch.equal(seen, values[:start, layer]), (
+            f"{who}: KV of tokens < {start} differs in layer {layer}"
+        )
+        cache[blocks[start:], :, offsets[start:], :] = values[start:, layer]
+
+
 # ---------------------------------------------------------------- the engine
 
 
@@ -231,28 +258,17 @@ class Engine:
                 self.block_tables[req_id] = list(ids[0]) if ids else []
             elif ids:
                 self.block_tables[req_id].extend(ids[0])
-        computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed = computed_tokens(out)
         sampled: dict[str, list[int]] = {}
         for req_id, num in out.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             start = computed[req_id]
             end = start + num
             tokens = list(request.all_token_ids)
-            values = prefix_values(tokens[:end])
             if load_errors.intersection(self.block_tables[req_id]):
                 sampled[req_id] = []
                 continue
-            table = torch.tensor(self.block_tables[req_id], dtype=torch.long)
-            positions = torch.arange(end)
-            blocks, offsets = table[positions // BLOCK], positions % BLOCK
-            for layer, name in enumerate(LAYERS):
-                cache = self.kv_caches[name]
-                seen = cache[blocks[:start], :, offsets[:start], :]
-                assert torch.equal(seen, values[:start, layer]), (
-                    f"{req_id}: KV of tokens < {start} differs in layer {layer}"
-                )
-                cache[blocks[start:], :, offsets[start:], :] = values[start:, layer]
+            check_then_write(self.kv_caches, self.block_tables[req_id], start, tokens[:end], req_id)
             self.checked_tokens += start
             if end >= request.num_tokens:
                 sampled[req_id] = [(sum(tokens) + end) % 997 + 3]
