@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,6 +293,13 @@ def load(client: DaemonClient, hashes: list[bytes]) -> list[bytes]:
     finally:
         client.release(slots)
     return hashes[: len(slots)]
+
+
+def daemon_stats(daemon: Daemon) -> dict:
+    """The daemon's ``/stats`` JSON (every counter, per tier, and the slots sessions hold)."""
+    url = f"http://127.0.0.1:{daemon.stats_port}/stats"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.load(reply)
 
 
 def wait_until(condition, what: str, timeout: float = 60.0) -> None:

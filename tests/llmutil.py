@@ -168,9 +168,9 @@ class EngineProcess:
         self._conn.send((method, args))
         self._in_flight = method
 
-    def answered(self) -> bool:
-        """Whether the call in flight has its answer waiting."""
-        return self._conn.poll(0)
+    def in_flight(self) -> str | None:
+        """The call sent and not yet received, if any."""
+        return self._in_flight
 
     def receive(self, timeout: float = CALL_TIMEOUT_S) -> Any:
         """The answer to the call in flight; raises ``EngineError`` if it failed, or if no
@@ -369,6 +369,16 @@ class _EngineHost:
             StepOutput(out.request_id, list(out.outputs[0].token_ids), out.finished)
             for out in self.engine.step()
         ]
+
+    def finish(self, req_ids: list[str]) -> list[list[int]]:
+        """Steps the engine until every request ``add`` made has finished; the answers of
+        ``req_ids``, in that order."""
+        answers: dict[str, list[int]] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    answers[out.request_id] = list(out.outputs[0].token_ids)
+        return [answers[req_id] for req_id in req_ids]
 
     def abort(self, req_ids: list[str]) -> None:
         self.engine.abort_request(list(req_ids))

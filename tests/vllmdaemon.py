@@ -3,8 +3,6 @@ to, its statistics, and a flood of other blocks that pushes what it held out of 
 
 from __future__ import annotations
 
-import json
-import urllib.request
 import uuid
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.tiers.lower import NO_SPACE
 
-from daemonutil import Daemon, wait_until
+from daemonutil import Daemon, daemon_stats, wait_until
 from vllmharness import BLOCK, BLOCK_BYTES, Engine
 
 
@@ -22,13 +20,6 @@ def daemon():
     d.start()
     yield d
     d.cleanup()
-
-
-def daemon_stats(daemon: Daemon) -> dict:
-    """The daemon's ``/stats`` JSON (every counter, per tier, and the slots sessions hold)."""
-    url = f"http://127.0.0.1:{daemon.stats_port}/stats"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return json.load(reply)
 
 
 def assert_daemon_holds_nothing(engine: Engine, daemon: Daemon) -> None:
