@@ -59,27 +59,45 @@ class UnsafeSocketDirectory(PermissionError):
 def ensure_socket_dir(path: str | os.PathLike[str]) -> Path:
     """Makes sure the directory that holds a unix socket is this user's alone; returns it.
 
-    Creates it (mode 0700) if missing. Refuses, with ``UnsafeSocketDirectory`` naming the
-    directory, its owner and mode: one owned by another user or writable by group or others
-    (someone else could swap the socket and receive the engine's connection, e.g. by creating
-    the predictable ``/tmp/kvtier-<uid>`` first), and a path component that is a symlink owned
-    by another user (one we or root could not have made). The daemon calls this before it
-    binds; a client before it connects.
+    Creates it (mode 0700) if missing, and any missing directory above it (0700 too: a parent
+    others could write to would let them rename ours away and put theirs in its place). Then
+    checks it as ``check_socket_dir`` does. The daemon calls this before it binds.
+    """
+    path = Path(os.path.abspath(path))
+    _check_symlinks(path)
+    missing = []
+    for directory in (path, *path.parents):
+        if directory.exists():
+            break
+        missing.append(directory)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            continue  # made meanwhile: the checks below judge it
+        os.chmod(directory, 0o700)  # whatever the umask said
+    if not check_socket_dir(path):
+        raise FileNotFoundError(f"socket directory {path} could not be made (gone meanwhile)")
+    return path
+
+
+def check_socket_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether the directory that holds a unix socket exists; raises if it could be controlled
+    by another user.
+
+    Refuses, with ``UnsafeSocketDirectory`` naming the directory, its owner and mode: one owned
+    by another user or writable by group or others (someone else could swap the socket and
+    receive the engine's connection, e.g. by creating the predictable ``/tmp/kvtier-<uid>``
+    first), and a path component that is a symlink owned by another user (one we or root could
+    not have made). A client calls this before it connects: it makes nothing, so an engine
+    waiting for a daemon that has not started leaves no directory behind.
     """
     path = Path(os.path.abspath(path))
     _check_symlinks(path)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+        st = os.stat(path)
     except FileNotFoundError:
-        os.makedirs(path.parent, exist_ok=True)
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)
-    else:
-        os.chmod(path, 0o700)  # whatever the umask said
-    _check_symlinks(path)  # again: nothing was swapped in while we made it
-    st = os.stat(path)
+        return False
     uid = os.getuid()
     mode = stat.S_IMODE(st.st_mode)
     found = f"owner {_user(st.st_uid)}, mode {mode:04o}"
@@ -95,7 +113,7 @@ def ensure_socket_dir(path: str | os.PathLike[str]) -> Path:
             f"socket directory {path} is writable by group or others ({found}); "
             f"chmod 700 it or choose another path (--socket)"
         )
-    return path
+    return True
 
 
 def _check_symlinks(path: Path) -> None:

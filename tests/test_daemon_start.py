@@ -194,6 +194,9 @@ def test_socket_directory_is_made_private(tmp_path):
         os.umask(old)
     assert made == tmp_path / "a" / "kvtier"
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    # the directory it made above it too: had others been able to write to it, they could
+    # rename "kvtier" away and put a directory of theirs in its place
+    assert stat.S_IMODE(made.parent.stat().st_mode) == 0o700
     assert contract.ensure_socket_dir(made) == made  # ours, private: used as found
 
 
@@ -223,6 +226,23 @@ def test_a_client_does_not_connect_through_a_directory_others_can_write(caplog):
         if client is not None:
             client.close()
         daemon.cleanup()
+
+
+def test_a_client_waiting_for_its_daemon_makes_no_directory(tmp_path, caplog):
+    """An engine started before its daemon (or pointed at one that never comes) tries and
+    retries to connect; it leaves the socket's directory for the daemon to make."""
+    socket_dir = tmp_path / "kvtier"
+    client = None
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvtier.connector.client.session"):
+            client = DaemonClient(
+                SIGNATURE, BLOCK_BYTES, block_tokens=16, target=f"unix:{socket_dir}/d.sock"
+            )
+            wait_until(lambda: "Open failed" in caplog.text, "the client to try to connect")
+        assert not socket_dir.exists()
+    finally:
+        if client is not None:
+            client.close()
 
 
 def test_socket_directory_of_another_user_is_refused(tmp_path):

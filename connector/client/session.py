@@ -212,7 +212,7 @@ class SessionKeeper:
             return None
         path = Path(self._target.removeprefix("unix:").removeprefix("//"))
         try:
-            contract.ensure_socket_dir(path.parent)
+            contract.check_socket_dir(path.parent)
         except OSError as exc:
             return str(exc)
         return None
