@@ -201,6 +201,17 @@ class KVTierEngine:
             timeout=HANG_GUARD_S,
         )
 
+    def wait_written(self) -> None:
+        """Waits until every block the daemon committed is on its disk tier too (nothing left
+        writing behind), so that what a later kill may take is only what comes after."""
+        wait_until(
+            lambda: all(
+                layout["writing_behind"] == 0 for layout in daemon_stats(self.daemon)["layouts"]
+            ),
+            "the disk tier's writes behind",
+            timeout=HANG_GUARD_S,
+        )
+
     def run(self, workload: str) -> PassResult:
         return self.finish_pass(workload, self.start_pass(workload))
 

@@ -256,6 +256,7 @@ def test_daemon_killed_mid_run(kvtier: KVTierEngine, baseline: dict) -> None:
     normal = kvtier.run("fault_normal")
     assert_identical(f"{kvtier.name} fault_normal", normal.outputs, baseline["fault_normal"])
     kvtier.ensure_daemon()
+    kvtier.wait_written()  # what the new daemon below must serve is on disk before the kill
     marks = kvtier.start_held_pass("fault_kill")
     kvtier.wait_reads(marks, FAULT_AFTER_READS)
     kvtier.daemon.kill(signal.SIGKILL)
