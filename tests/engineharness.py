@@ -129,6 +129,11 @@ class PassStart:
     daemon_pid: int | None
 
 
+def request_ids(workload: str) -> list[str]:
+    """The ids a held pass gives its requests, in prompt order."""
+    return [f"{workload}-{i}" for i in range(len(WORKLOADS[workload].prompts))]
+
+
 @dataclass(repr=False)
 class KVTierEngine:
     """One engine with KVTierConnector and the daemon it talks to."""
@@ -143,9 +148,7 @@ class KVTierEngine:
 
     def start_pass(self, workload: str) -> PassStart:
         w = WORKLOADS[workload]
-        start = PassStart(
-            self.engine.metrics(), self.daemon_reads(), time.monotonic(), self.daemon_pid()
-        )
+        start = self.marks()
         self.engine.send("generate", w.prompts, w.max_tokens)
         return start
 
@@ -153,19 +156,23 @@ class KVTierEngine:
         """Starts a pass that cannot end before ``release``: its last request is added only
         then, so a fault the test makes before it lands in a pass still under way however fast
         the engine runs."""
-        w = WORKLOADS[workload]
-        start = PassStart(
-            self.engine.metrics(), self.daemon_reads(), time.monotonic(), self.daemon_pid()
-        )
-        for i, (prompt, max_tokens) in enumerate(w.requests()[:-1]):
-            self.engine.add(f"{workload}-{i}", prompt, max_tokens)
+        start = self.marks()
+        requests = WORKLOADS[workload].requests()
+        for req_id, request in zip(request_ids(workload), requests[:-1], strict=False):
+            self.engine.add(req_id, *request)
         return start
 
     def release(self, workload: str) -> None:
         """Adds a held pass's last request; ``finish_pass`` then collects the pass."""
-        requests = WORKLOADS[workload].requests()
-        self.engine.add(f"{workload}-{len(requests) - 1}", *requests[-1])
-        self.engine.send("finish", [f"{workload}-{i}" for i in range(len(requests))])
+        req_ids = request_ids(workload)
+        self.engine.add(req_ids[-1], *WORKLOADS[workload].requests()[-1])
+        self.engine.send("finish", req_ids)
+
+    def marks(self) -> PassStart:
+        """The counters a pass starts from."""
+        return PassStart(
+            self.engine.metrics(), self.daemon_reads(), time.monotonic(), self.daemon_pid()
+        )
 
     def finish_pass(self, workload: str, start: PassStart) -> PassResult:
         outputs = self.engine.receive(HANG_GUARD_S)

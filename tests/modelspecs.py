@@ -62,22 +62,12 @@ def daemon():
 
 @pytest.fixture
 def make_engine(daemon: Daemon, model_dir: Path, monkeypatch):
-    engines: list[ModelEngine] = []
+    def build(model: Model, **kwargs) -> ModelEngine:
+        engine_daemon = kwargs.pop("daemon", daemon)
+        engine_dir = kwargs.pop("model_dir", model_dir)
+        return ModelEngine(engine_daemon, engine_dir, model, monkeypatch, **kwargs)
 
-    def make(model: Model, **kwargs) -> ModelEngine:
-        engine = ModelEngine(
-            kwargs.pop("daemon", daemon),
-            kwargs.pop("model_dir", model_dir),
-            model,
-            monkeypatch,
-            **kwargs,
-        )
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+    yield from harness.closing_each(build)
 
 
 def window_blocks(group, hit_tokens: int) -> int:

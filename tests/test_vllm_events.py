@@ -86,16 +86,9 @@ def daemon():
 
 @pytest.fixture
 def make_engine(daemon: Daemon, model_dir, monkeypatch):
-    engines: list[Engine] = []
-
-    def make(**kwargs) -> Engine:
-        engine = EventEngine(daemon, model_dir, monkeypatch, **kwargs)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+    yield from harness.closing_each(
+        lambda **kwargs: EventEngine(daemon, model_dir, monkeypatch, **kwargs)
+    )
 
 
 def ours(router: Router, medium: str, hashes: list[int]) -> set[int]:

@@ -181,16 +181,9 @@ class TPEngine(Engine):
 
 @pytest.fixture
 def make_tp_engine(daemon, model_dir: Path, monkeypatch):
-    engines: list[TPEngine] = []
-
-    def make(**kwargs) -> TPEngine:
-        engine = TPEngine(daemon, model_dir, monkeypatch, **kwargs)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+    yield from harness.closing_each(
+        lambda **kwargs: TPEngine(daemon, model_dir, monkeypatch, **kwargs)
+    )
 
 
 # ---------------------------------------------------------------- item 5: tensor parallelism

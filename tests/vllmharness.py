@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -372,18 +373,25 @@ def model_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.fixture
-def make_engine(daemon: Daemon, model_dir: Path):
-    engines: list[Engine] = []
+def closing_each(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """An engine fixture's body (``yield from closing_each(build)``): yields a function that
+    builds an engine as ``build`` does, and closes every engine it built once the test is over."""
+    engines = []
 
-    def make(**kwargs) -> Engine:
-        engine = Engine(kwargs.pop("daemon", daemon), model_dir, **kwargs)
-        engines.append(engine)
-        return engine
+    def make(*args, **kwargs):
+        engines.append(build(*args, **kwargs))
+        return engines[-1]
 
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def make_engine(daemon: Daemon, model_dir: Path):
+    yield from closing_each(
+        lambda **kwargs: Engine(kwargs.pop("daemon", daemon), model_dir, **kwargs)
+    )
 
 
 # ---------------------------------------------------------------- shared by the scheduler's tests
