@@ -1,7 +1,8 @@
 """The lookup index: what a layout's host and disk tiers hold, published in shared memory.
 
-The daemon is its only writer; a client maps it read-only and answers a lookup with a few
-vectorised memory reads instead of a call. What a probe says is a hint: an ``Acquire`` names
+The daemon is its only writer; a client maps it read-only
+(``connector.client.index_reader``) and answers a lookup with a compiled probe of it instead
+of a call. What a probe says is a hint: an ``Acquire`` names
 hashes, and the daemon resolves them again where the bytes are handed over, so a stale or
 torn read can cost a hit but never hand out a wrong block.
 
@@ -26,7 +27,6 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,7 @@ _TIERS_AT = 16
 MIN_CAPACITY = 1024
 MAX_PROBES = 64
 """A probe that walks this far finds the table badly clustered: it answers a miss."""
-_RETIRED_AT = 24
+RETIRED_AT = 24
 _HASH_WORDS = struct.Struct("<QQ")
 
 
@@ -55,7 +55,7 @@ def _capacity_for(blocks: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, 4 * blocks - 1).bit_length())
 
 
-_MIX = 0x9E37_79B9_7F4A_7C15
+HASH_MIX = 0x9E37_79B9_7F4A_7C15
 _WORD = (1 << 64) - 1
 
 
@@ -64,7 +64,7 @@ def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
     multiplicative hash, so that hashes alike in either word (a test's, a caller's own) still
     spread over the table instead of clustering into long probes."""
     shift = np.uint64(64 - (capacity.bit_length() - 1))
-    mix = np.uint64(_MIX)
+    mix = np.uint64(HASH_MIX)
     with np.errstate(over="ignore"):
         mixed = (words[:, 0] ^ (words[:, 1] * mix)) * mix
     return (mixed >> shift).astype(np.int64) if capacity > 1 else np.zeros(len(words), np.int64)
@@ -76,7 +76,7 @@ def _bucket(key: bytes, capacity: int) -> int:
     if capacity <= 1:
         return 0
     low, high = _HASH_WORDS.unpack(key)
-    mixed = ((low ^ (high * _MIX & _WORD)) * _MIX) & _WORD
+    mixed = ((low ^ (high * HASH_MIX & _WORD)) * HASH_MIX) & _WORD
     return mixed >> (64 - (capacity.bit_length() - 1))
 
 
@@ -89,19 +89,14 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
     return Path(f"{socket}.{layout_signature.hex()}.index")
 
 
-class _Table:
-    """Views of a mapped table: each record's hash as one 16-byte string (compared whole in
-    one step: numpy's fixed-width bytes compare exactly, and an empty record is ``b""``), the
-    same records as four 64-bit words (the hash's two first), and each record's tier bits."""
+class Table:
+    """Views of a mapped table: its records as four 64-bit words each (the hash's two
+    first), and each record's tier bits."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
-        records = records.reshape(capacity, RECORD_BYTES)
-        self.hashes = np.ndarray(
-            (capacity,), f"S{HASH_BYTES}", mapped, HEADER_BYTES, (RECORD_BYTES,)
-        )
         self.words = np.ndarray((capacity, RECORD_BYTES // 8), "<u8", mapped, HEADER_BYTES)
-        self.tiers = records[:, _TIERS_AT]
+        self.tiers = records.reshape(capacity, RECORD_BYTES)[:, _TIERS_AT]
         self.capacity = capacity
 
 
@@ -163,7 +158,7 @@ class LookupIndexWriter:
             MAGIC, capacity, self._generation, 0, int(self.has_remote)
         ).ljust(HEADER_BYTES, b"\0")
         old_map = self._map
-        table = _Table(mapped, capacity)
+        table = Table(mapped, capacity)
         words = np.frombuffer(b"".join(keys), "<u8").reshape(-1, 2)
         records = _place(_buckets(words, capacity), capacity)
         table.words[records, :2] = words
@@ -175,7 +170,7 @@ class LookupIndexWriter:
         self._slots = dict(zip(keys, records.tolist(), strict=True))
         os.replace(fresh, self.path)
         if old_map is not None:
-            old_map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
+            old_map[RETIRED_AT : RETIRED_AT + 4] = struct.pack("<I", 1)
         if self._fd is not None:
             os.close(self._fd)
         self._fd = fd
@@ -231,87 +226,9 @@ class LookupIndexWriter:
         with self._lock:
             if self._map is None:
                 return
-            self._map[_RETIRED_AT : _RETIRED_AT + 4] = struct.pack("<I", 1)
+            self._map[RETIRED_AT : RETIRED_AT + 4] = struct.pack("<I", 1)
             self._table = None
             self._map = None
             self.path.unlink(missing_ok=True)
-            os.close(self._fd)
-            self._fd = None
-
-
-class LookupIndexReader:
-    """A client's read-only view. ``probe`` returns None when there is no usable index (none
-    published, retired and not yet replaced, or its writer dead): the caller then asks the
-    daemon."""
-
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(path)
-        self._fd: int | None = None
-        self._map: mmap.mmap | None = None
-        self._table: _Table | None = None
-        self.has_remote = False
-
-    def _mapped(self) -> bool:
-        if self._map is not None and not self._retired() and self._kept():
-            return True
-        self.close()
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        self._fd = fd
-        size = os.fstat(fd).st_size
-        if size < HEADER_BYTES or not self._kept():
-            self.close()
-            return False
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        magic, capacity, _, retired, has_remote = HEADER.unpack_from(mapped)
-        if magic != MAGIC or retired or size < HEADER_BYTES + capacity * RECORD_BYTES:
-            mapped.close()
-            self.close()
-            return False
-        self._map, self.has_remote = mapped, bool(has_remote)
-        self._table = _Table(mapped, capacity)
-        return True
-
-    def _retired(self) -> bool:
-        return struct.unpack_from("<I", self._map, _RETIRED_AT)[0] != 0
-
-    def _kept(self) -> bool:
-        """Whether a live writer still holds the file (its lock is one we cannot take)."""
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return False
-
-    def probe(self, hashes: Sequence[bytes] | Iterable[bytes]) -> np.ndarray | None:
-        """Each hash's tier bits (0: neither tier holds it), or None without an index."""
-        if not self._mapped():
-            return None
-        packed = b"".join(hashes)
-        if len(packed) % HASH_BYTES:
-            raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
-        table = self._table
-        want = np.frombuffer(packed, f"S{HASH_BYTES}")
-        bits = np.zeros(len(want), np.uint8)
-        record = _buckets(np.frombuffer(packed, np.uint64).reshape(-1, 2), table.capacity)
-        pending = np.arange(len(want))
-        for _ in range(MAX_PROBES):
-            at = record[pending]
-            found = table.hashes[at]
-            same = found == want[pending]
-            bits[pending[same]] = table.tiers[at[same]]
-            pending = pending[~same & (found != b"")]
-            if not len(pending):
-                break
-            record[pending] = (record[pending] + 1) & (table.capacity - 1)
-        return bits
-
-    def close(self) -> None:
-        self._table = None
-        self._map = None
-        if self._fd is not None:
             os.close(self._fd)
             self._fd = None

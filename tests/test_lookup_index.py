@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import xxhash
 
+from kvtier.connector.client.index_reader import LookupIndexReader
 from kvtier.proto.lookup_index import (
     DISK,
+    HEADER,
+    HEADER_BYTES,
     HOST,
+    MAGIC,
     MIN_CAPACITY,
-    LookupIndexReader,
+    RECORD_BYTES,
     LookupIndexWriter,
     _place,
     index_path,
@@ -91,6 +98,67 @@ def test_a_batch_probe_equals_probes_one_by_one(tmp_path):
         assert sum(1 for b in batch if b) == 3000
     finally:
         writer.close()
+
+
+def test_a_prefix_probe_stops_at_the_first_miss_and_counts_its_host_hits(tmp_path):
+    """What a lookup asks: how many hashes from the first some tier holds, and how many of
+    those the host does; the walk stops at the first miss (the rest are no prefix hits)."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=4096)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        rng = np.random.default_rng(1)
+        tiers = rng.choice([0, HOST, DISK, HOST | DISK], 2000, p=[0.02, 0.4, 0.3, 0.28])
+        for i, bits in enumerate(tiers.tolist()):
+            for tier in (HOST, DISK):
+                if bits & tier:
+                    writer.set(h(i), tier)
+        hashes = [h(i) for i in range(len(tiers))]
+        for start in range(0, len(hashes), 97):
+            asked = hashes[start : start + 300]
+            expected = tiers[start : start + 300]
+            misses = np.flatnonzero(expected == 0)
+            held = int(misses[0]) if len(misses) else len(asked)
+            found = reader.probe_prefix(asked)
+            assert found.held == held
+            assert found.host == int(np.count_nonzero(expected[:held] & HOST))
+            assert found.bits[:held].tolist() == expected[:held].tolist()
+            assert not found.bits[held:].any()
+        assert reader.probe_prefix([h(10**6), *hashes[:5]]).held == 0
+    finally:
+        writer.close()
+
+
+def test_a_file_with_a_capacity_no_writer_gives_answers_no_probe(tmp_path):
+    """A file with the index's magic but a capacity the writer never makes (not a power of
+    two) or one larger than the file, kept by a live lock: no probe is answered from it (the
+    compiled probe checks no bounds; the reader's checks keep it inside the map)."""
+    for capacity, records in ((3 * MIN_CAPACITY, 3 * MIN_CAPACITY), (1 << 30, MIN_CAPACITY)):
+        path = tmp_path / f"idx-{capacity}"
+        header = HEADER.pack(MAGIC, capacity, 1, 0, 0).ljust(HEADER_BYTES, b"\0")
+        path.write_bytes(header + bytes(records * RECORD_BYTES))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # as a live writer holds it
+            assert LookupIndexReader(path).probe([h(1)]) is None
+        finally:
+            os.close(fd)
+
+
+def test_a_client_that_can_cache_no_compiled_probe_still_probes(tmp_path):
+    """Where numba finds no writable place for its cache (a read-only install, no writable
+    home), the probe is compiled in the process instead of failing the engine's import."""
+    code = f"""
+from numba.core import caching
+caching.CacheImpl._locator_classes = []  # no cache location anywhere
+from kvtier.connector.client.index_reader import LookupIndexReader
+from kvtier.proto.lookup_index import HOST, LookupIndexWriter
+writer = LookupIndexWriter({str(tmp_path / "idx")!r}, blocks=8)
+writer.set(bytes(range(16)), HOST)
+found = LookupIndexReader({str(tmp_path / "idx")!r}).probe_prefix([bytes(range(16))])
+assert (found.held, found.host) == (1, 1), found
+writer.close()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 def test_a_daemon_publishes_its_host_and_disk_tiers_and_a_restart_finds_the_disk_again():

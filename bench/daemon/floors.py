@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 
 from kvtier.bench.daemon.probes import hashes_for
-from kvtier.proto.lookup_index import HOST, LookupIndexReader, LookupIndexWriter
+from kvtier.connector.client.index_reader import LookupIndexReader
+from kvtier.proto.lookup_index import HOST, LookupIndexWriter
 
 PAUSE_S = 0.02
 """The idle pause before each timed call: longer than the few milliseconds after which a
@@ -68,7 +69,7 @@ def idle_floors(hashes: int) -> dict[str, float]:
             held = hashes_for(hashes)
             for block_hash in held:
                 writer.set(block_hash, HOST)
-            figures.update(_hot_and_idle("index_probe", lambda: reader.probe(held)))
+            figures.update(_hot_and_idle("index_probe", lambda: reader.probe_prefix(held)))
         finally:
             reader.close()
             writer.close()

@@ -32,18 +32,19 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
+from kvtier.connector.client.index_reader import LookupIndexReader
 from kvtier.connector.client.session import SessionKeeper
 from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
-from kvtier.proto.lookup_index import HOST, LookupIndexReader, index_path
+from kvtier.proto.lookup_index import HOST, index_path
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.lower import LowerHits
 
 Failed = Callable[[str, grpc.RpcError, str | None], None]
 Notice = tuple[str, list[BlockHash], np.ndarray]
-"""A lookup the index answered: session, hashes, and where the probe said the host holds them."""
+"""A lookup the index answered: session, hashes, and the tier bits the probe read for them."""
 
 
 class LookupCalls:
@@ -87,10 +88,10 @@ class LookupCalls:
         if probed is None:
             self._call(session, hashes, 0, LowerHits(), result)
             return result
-        hits, on_host = probed
+        hits, tier_bits = probed
         self.probed += 1
         result.set_result(hits)
-        self._notify((session, hashes, on_host))
+        self._notify((session, hashes, tier_bits))
         return result
 
     def close(self) -> None:
@@ -117,8 +118,8 @@ class LookupCalls:
 
     def _send_notices(self) -> None:
         while (notice := self._notices.get()) is not None:
-            session, hashes, on_host = notice
-            self._call(session, hashes, 0, LowerHits(), Future(), on_host)
+            session, hashes, tier_bits = notice
+            self._call(session, hashes, 0, LowerHits(), Future(), tier_bits)
 
     def end(self) -> None:
         """The breaker opened: lookups still waiting are misses now, not at their deadline
@@ -129,8 +130,8 @@ class LookupCalls:
             call.cancel()
 
     def _probe(self, session: str, hashes: list[BlockHash]) -> tuple[LowerHits, np.ndarray] | None:
-        """The index's answer and where it says the host tier holds the hit, or None where
-        only a call can answer."""
+        """The index's answer and the tier bits it read, or None where only a call can
+        answer."""
         if not self._use_index:
             return None
         if self._index_session != session:
@@ -139,16 +140,12 @@ class LookupCalls:
                 self._index.close()
             self._index = LookupIndexReader(index_path(self._socket, self._signature))
             self._index_session = session
-        bits = self._index.probe(hashes) if self._index is not None else None
-        if bits is None:
+        found = self._index.probe_prefix(hashes) if self._index is not None else None
+        if found is None:
             return None
-        misses = np.flatnonzero(bits == 0)
-        held = int(misses[0]) if len(misses) else len(hashes)
-        if held < len(hashes) and self._index.has_remote:
+        if found.held < len(hashes) and self._index.has_remote:
             return None
-        on_host = (bits[:held] & HOST) != 0
-        host = int(np.count_nonzero(on_host))
-        return LowerHits(host=host, disk=held - host), on_host
+        return LowerHits(host=found.host, disk=found.held - found.host), found.bits
 
     def _call(
         self,
@@ -157,20 +154,21 @@ class LookupCalls:
         start: int,
         hits: LowerHits,
         result: Future,
-        on_host: np.ndarray | None = None,
+        tier_bits: np.ndarray | None = None,
     ) -> None:
         """Looks up ``hashes[start:]`` one chunk at a time, each from the last's callback;
-        ``on_host``: a notice's probe, where it said the host tier holds the hit."""
+        ``tier_bits``: a notice's probe, the tier bits it read for each hash."""
         limits = self._keeper.limits
         chunk = hashes[start : start + limits.max_hashes]
         request = pb.LookupRequest(session_id=session, hashes=pack_hashes(chunk))
-        if on_host is not None:
-            request.probed_host = int(np.count_nonzero(on_host[start : start + len(chunk)]))
+        if tier_bits is not None:
+            probed = tier_bits[start : start + len(chunk)]
+            request.probed_host = int(np.count_nonzero(probed & HOST))
         if limits.slot_lookups and len(chunk) == len(hashes):
             # Over the session's slot channel where it has one: a round trip there costs a
             # third of a call's. (A lookup of several chunks stays a call: each next chunk is
             # sent from the last one's answer, which the channel's reader thread would run.)
-            polled = on_host is None  # a notice's answer nobody waits for
+            polled = tier_bits is None  # a notice's answer nobody waits for
             call = self._slot_calls.future("Lookup", request, self._timeout_s, polled)
         else:
             call = self._stub.Lookup.future(
@@ -198,6 +196,6 @@ class LookupCalls:
             if reply.host + reply.disk + reply.remote < len(chunk) or end >= len(hashes):
                 result.set_result(hits)
             else:
-                self._call(session, hashes, end, hits, result, on_host)
+                self._call(session, hashes, end, hits, result, tier_bits)
 
         call.add_done_callback(answered)
