@@ -21,14 +21,18 @@ pip install torch==2.13.0 -e '.[test,mooncake]'
 # The other environments install while the main suite runs: their downloads and unpacking
 # overlap its tests instead of adding to them (about 5 minutes of a fresh run).
 install_other_envs() {
-    # A node's daemon as the README's first command installs it: no torch.
+    # A node's daemon as the README's first command installs it: no torch, no numba (the
+    # engine side's).
     local venv=.venv-daemon
     [ -x "$venv/bin/python" ] || python -m venv "$venv"
     "$venv/bin/pip" install -q -e .
-    if "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-        echo "the daemon's environment has torch: kvtier depends on it again" >&2
-        return 1
-    fi
+    local heavy
+    for heavy in torch numba; do
+        if "$venv/bin/python" -c "import $heavy" 2>/dev/null; then
+            echo "the daemon's environment has $heavy: kvtier's base install depends on it" >&2
+            return 1
+        fi
+    done
     venv=.venv-vllm
     [ -x "$venv/bin/python" ] || python -m venv "$venv"
     "$venv/bin/pip" install -q uv
