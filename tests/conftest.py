@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.connector.client.index_reader import load_probe
 from kvtier.tiers.layout import KVLayout
 
 from daemonutil import leftovers
@@ -24,6 +25,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def small_layout() -> KVLayout:
     """Two layers, 4-token blocks: 512-byte blocks, small enough for thousands of steps."""
     return KVLayout(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float16)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_probe() -> None:
+    """Loads the lookup index's compiled probe before any test: a client loads it on a thread
+    of its own and answers lookups by call until then, which would make a test's first
+    lookups calls or probes by the luck of timing."""
+    assert load_probe(), "no compiled probe of the lookup index"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import xxhash
 
+from kvtier.connector.client import index_reader
 from kvtier.connector.client.index_reader import LookupIndexReader
 from kvtier.proto.lookup_index import (
     DISK,
@@ -150,7 +151,8 @@ def test_a_client_that_can_cache_no_compiled_probe_still_probes(tmp_path):
     code = f"""
 from numba.core import caching
 caching.CacheImpl._locator_classes = []  # no cache location anywhere
-from kvtier.connector.client.index_reader import LookupIndexReader
+from kvtier.connector.client.index_reader import LookupIndexReader, load_probe
+assert load_probe()
 from kvtier.proto.lookup_index import HOST, LookupIndexWriter
 writer = LookupIndexWriter({str(tmp_path / "idx")!r}, blocks=8)
 writer.set(bytes(range(16)), HOST)
@@ -228,6 +230,43 @@ def test_a_lookup_the_index_answers_still_reaches_the_daemon():
         want = (asked + (3 + 5) * tokens, hit + 4 * tokens)
         wait_until(lambda: host_tokens() == want, "the daemon to count both lookups")
         wait_until(lambda: daemon.stats().layouts[0].held_slots == len(held), "the hold")
+        client.close()
+    finally:
+        daemon.stop()
+        daemon.cleanup()
+
+
+def test_importing_the_client_loads_no_numba():
+    """vLLM's CPU build scans every loaded module when its worker starts and fails on one of
+    llvmlite's: the client may load numba only once it runs (on its own thread), never when
+    an engine imports the connector."""
+    code = """
+import sys
+import kvtier.connector.client.daemon_client
+import kvtier.connector.client.index_reader
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("numba", "llvmlite"))
+assert not loaded, loaded
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_lookups_are_calls_until_the_compiled_probe_is_loaded(monkeypatch):
+    """Until its thread has loaded the compiled probe, a client answers lookups by call, with
+    the same hits; once loaded, from the index."""
+    daemon = Daemon(host_bytes=64 * BLOCK_BYTES).start()
+    try:
+        client = daemon.client(lookup_index=True)
+        held = [block_hash("unloaded", i) for i in range(4)]
+        assert store(client, held) == held
+        reader = LookupIndexReader(index_path(daemon.socket, SIGNATURE))
+        wait_until(lambda: reader.probe(held).all(), "the commit to be published")
+        with monkeypatch.context() as patch:
+            patch.setattr(index_reader, "_walk_table", None)
+            assert reader.probe(held) is None
+            assert client.lookup([*held, block_hash("never", 0)]).host == len(held)
+            assert client._lookups.probed == 0
+        assert client.lookup(held).host == len(held)
+        assert client._lookups.probed == 1
         client.close()
     finally:
         daemon.stop()

@@ -1,8 +1,9 @@
 """A client's read-only view of the daemon's lookup index (``proto.lookup_index``), and the
 probe that answers a lookup from it.
 
-The probe is one compiled loop (numba, which vLLM already brings into an engine's
-environment): each hash's home record, then linear probing to the hash or an empty record.
+The probe is one compiled loop (``probe_kernel``; numba, which vLLM already brings into an
+engine's environment), loaded on a thread when a client starts (``start_loading_probe``):
+each hash's home record, then linear probing to the hash or an empty record.
 It also counts the hits a lookup needs (the prefix some tier holds, the host's share), which
 took the caller a few more array calls. The same walk in numpy took a dozen array calls per
 round: on the 2-core VM a 1,000-hash probe, with the liveness check and packing the hashes,
@@ -17,81 +18,63 @@ hash, and a hit is a hint the daemon resolves again at ``Acquire``.
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-import numba
 import numpy as np
-from numba import types
 
 from kvtier.proto.contract import HASH_BYTES
 from kvtier.proto.lookup_index import (
-    HASH_MIX,
     HEADER,
     HEADER_BYTES,
-    HOST,
     MAGIC,
-    MAX_PROBES,
     MIN_CAPACITY,
     RECORD_BYTES,
     RETIRED_AT,
     Table,
 )
 
-_WORDS = types.Array(types.uint64, 2, "C", readonly=True)
-_PROBE_SIGNATURE = types.UniTuple(types.int64, 2)(
-    _WORDS,
-    types.Array(types.uint8, 1, "A", readonly=True),
-    _WORDS,
-    types.uint64,
-    types.uint8[::1],
-    types.boolean,
-)
+log = logging.getLogger(__name__)
+
+_walk_table: Callable[..., tuple[int, int]] | None = None
+"""The compiled probe (``probe_kernel.walk_table``), once ``load_probe`` has loaded it."""
+_loading = threading.Lock()
+_loader: threading.Thread | None = None
+_starting = threading.Lock()
 
 
-def _compiled(function):
-    """``function`` compiled now, at import, not at the first probe: an engine's first lookup
-    would otherwise wait about a second for it. The machine code is cached beside the module
-    or in the user's cache (``NUMBA_CACHE_DIR`` chooses), and compiled afresh in each process
-    where neither can be written (numba refuses to cache then, and an engine must start)."""
-    try:
-        return numba.njit(_PROBE_SIGNATURE, cache=True)(function)
-    except RuntimeError:  # no writable cache location
-        return numba.njit(_PROBE_SIGNATURE)(function)
+def start_loading_probe() -> None:
+    """Starts ``load_probe`` on a thread of its own, once per process."""
+    global _loader
+    with _starting:
+        if _loader is None and _walk_table is None:
+            _loader = threading.Thread(target=load_probe, name="kvtier-probe-load")
+            _loader.start()
 
 
-@_compiled
-def _probe_table(words, tiers, want, shift, bits, prefix):
-    """Writes each wanted hash's tier bits into ``bits`` (left 0 on a miss) and returns how
-    many hashes it walked and how many of those the host tier holds; with ``prefix`` it stops
-    at the first miss, as a lookup does. ``words`` are the table's records as 64-bit words
-    (the hash's two first), ``want`` the hashes as two words each, ``shift`` what makes a
-    mixed hash a record number. No read leaves the map: a home record is below the capacity
-    (by the shift), so is each next one (by the mask), and the reader checked that the file
-    holds that many records."""
-    mask = words.shape[0] - 1
-    mix = np.uint64(HASH_MIX)
-    host = 0
-    for i in range(want.shape[0]):
-        low, high = want[i, 0], want[i, 1]
-        record = np.int64(((low ^ (high * mix)) * mix) >> shift)
-        for _ in range(MAX_PROBES):
-            first, second = words[record, 0], words[record, 1]
-            if first == low and second == high:
-                bits[i] = tiers[record]
-                break
-            if first == 0 and second == 0:
-                break
-            record = (record + 1) & mask
-        if bits[i] & HOST:
-            host += 1
-        elif prefix and not bits[i]:
-            return i, host
-    return want.shape[0], host
+def load_probe() -> bool:
+    """Loads the compiled probe, once per process; True once it is loaded. It takes about a
+    second, most of it numba's own start (less with its on-disk cache), so a client loads it
+    on a thread of its own and answers lookups by call until then. Never at import: vLLM's
+    CPU build (0.32) scans every loaded module when its worker starts, and fails on one of
+    llvmlite's, so numba must not be loaded in an engine's process before its engine has
+    started. Where numba is missing, lookups stay calls."""
+    global _walk_table
+    with _loading:
+        if _walk_table is None:
+            try:
+                from kvtier.connector.client.probe_kernel import walk_table
+            except ImportError as exc:
+                log.warning("lookups go to the daemon: no compiled probe of its index (%s)", exc)
+                return False
+            _walk_table = walk_table
+    return True
 
 
 class PrefixHits(NamedTuple):
@@ -105,7 +88,8 @@ class PrefixHits(NamedTuple):
 
 class LookupIndexReader:
     """``probe`` returns None when there is no usable index (none published, retired and not
-    yet replaced, or its writer dead): the caller then asks the daemon."""
+    yet replaced, or its writer dead) or no compiled probe loaded yet: the caller then asks
+    the daemon."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -168,14 +152,14 @@ class LookupIndexReader:
         return self._walk(hashes, prefix=True)
 
     def _walk(self, hashes: Sequence[bytes] | Iterable[bytes], prefix: bool) -> PrefixHits | None:
-        if not self._mapped():
+        if _walk_table is None or not self._mapped():
             return None
         packed = b"".join(hashes)
         if len(packed) % HASH_BYTES:
             raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
         want = np.frombuffer(packed, "<u8").reshape(-1, 2)
         bits = np.zeros(len(want), np.uint8)
-        held, host = _probe_table(
+        held, host = _walk_table(
             self._table.words, self._table.tiers, want, self._shift, bits, prefix
         )
         return PrefixHits(held, host, bits)

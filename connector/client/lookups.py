@@ -32,7 +32,7 @@ from concurrent.futures import Future
 import grpc
 import numpy as np
 
-from kvtier.connector.client.index_reader import LookupIndexReader
+from kvtier.connector.client.index_reader import LookupIndexReader, start_loading_probe
 from kvtier.connector.client.session import SessionKeeper
 from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.client.wire import pack_hashes
@@ -80,6 +80,8 @@ class LookupCalls:
         self._closed = False
         self.probed = 0
         """Lookups the index answered without a call."""
+        if self._use_index:
+            start_loading_probe()
 
     def ask(self, session: str, hashes: list[BlockHash]) -> Future[LowerHits]:
         """The prefix of ``hashes`` the daemon's tiers hold; the future never raises."""
