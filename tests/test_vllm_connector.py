@@ -30,8 +30,9 @@ from kvtier.tiers.gpu.placement import KVPlacement
 
 import vllmdaemon
 import vllmharness as harness
+from tinymodel import BLOCK, HEAD, KV_HEADS
 from vllmdaemon import assert_daemon_holds_nothing, daemon_stats
-from vllmharness import BLOCK, HEAD, KV_HEADS, assert_scheduler_empty, prompt
+from vllmharness import assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 

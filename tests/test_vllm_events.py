@@ -32,8 +32,9 @@ import vllmharness as harness
 from daemonutil import BLOCK_BYTES as RAW_BLOCK_BYTES
 from daemonutil import SIGNATURE, Daemon, block_hash, content, free_port, wait_until
 from eventutil import Router, events_config, router_hashes
+from tinymodel import BLOCK, BLOCK_BYTES
 from vllmdaemon import flood
-from vllmharness import BLOCK, BLOCK_BYTES, Engine, prompt
+from vllmharness import Engine, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,8 @@ from kvtier.connector.client.daemon_client import DaemonClient
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import Daemon, wait_until
-from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
+from tinymodel import BLOCK, BLOCK_BYTES
+from vllmharness import assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 

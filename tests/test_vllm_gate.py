@@ -24,8 +24,9 @@ from kvtier.connector.vllm.stats import KVTierStats
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import Daemon, wait_until
+from tinymodel import BLOCK, BLOCK_BYTES
 from vllmdaemon import daemon_stats
-from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
+from vllmharness import assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -34,7 +34,7 @@ from kvtier.connector.vllm.identity import model_identity
 from kvtier.connector.vllm.request import extra_keys
 from kvtier.tiers.hashing import ExtraKeys, Namespace, hash_prompt
 
-from vllmharness import TINY_LLAMA
+from tinymodel import TINY_LLAMA
 
 pytestmark = pytest.mark.vllm
 

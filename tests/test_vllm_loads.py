@@ -25,7 +25,8 @@ from kvtier.tiers.gpu.transfer import Transfer
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import Daemon, wait_until
-from vllmharness import BLOCK, BLOCK_BYTES, assert_scheduler_empty, prompt
+from tinymodel import BLOCK, BLOCK_BYTES
+from vllmharness import assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -23,8 +23,9 @@ from kvtier.connector.vllm.pins import pin_seconds
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import wait_until
+from tinymodel import BLOCK
 from vllmdaemon import daemon_stats, flood
-from vllmharness import BLOCK, assert_scheduler_empty, prompt
+from vllmharness import assert_scheduler_empty, prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -37,16 +37,9 @@ from kvtier.tiers.hashing import Namespace
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import Daemon, wait_until
+from tinymodel import BLOCK
 from vllmdaemon import assert_daemon_holds_nothing
-from vllmharness import (
-    BLOCK,
-    Engine,
-    all_tokens,
-    assert_scheduler_empty,
-    kv_cache_config,
-    prompt,
-    settle,
-)
+from vllmharness import Engine, all_tokens, assert_scheduler_empty, kv_cache_config, prompt, settle
 
 pytestmark = pytest.mark.vllm
 

@@ -15,7 +15,8 @@ pytest.importorskip("vllm")
 
 import vllmdaemon
 import vllmharness as harness
-from vllmharness import BLOCK, prompt
+from tinymodel import BLOCK
+from vllmharness import prompt
 
 pytestmark = pytest.mark.vllm
 

@@ -31,18 +31,9 @@ from kvtier.connector.vllm.metadata import KVTierMetadata, pack, unpack
 import vllmdaemon
 import vllmharness as harness
 from daemonutil import Daemon
+from tinymodel import BLOCK, BLOCK_BYTES, check_then_write
 from vllmdaemon import flood
-from vllmharness import (
-    BLOCK,
-    BLOCK_BYTES,
-    Engine,
-    all_tokens,
-    check_then_write,
-    computed_tokens,
-    prompt,
-    runner_output,
-    settle,
-)
+from vllmharness import Engine, all_tokens, computed_tokens, prompt, runner_output, settle
 
 pytestmark = pytest.mark.vllm
 

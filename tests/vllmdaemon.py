@@ -11,7 +11,8 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.tiers.lower import NO_SPACE
 
 from daemonutil import Daemon, daemon_stats, wait_until
-from vllmharness import BLOCK, BLOCK_BYTES, Engine
+from tinymodel import BLOCK, BLOCK_BYTES
+from vllmharness import Engine
 
 
 @pytest.fixture
