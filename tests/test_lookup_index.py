@@ -250,6 +250,26 @@ assert not loaded, loaded
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+def test_without_numba_the_probe_says_so_and_lookups_stay_calls(tmp_path):
+    """Where numba is missing, loading the probe fails with a warning, not an error, and the
+    reader answers no probe (the client then calls, as the next test shows)."""
+    code = f"""
+import sys
+sys.modules["numba"] = None  # as where numba is not installed
+from kvtier.connector.client.index_reader import LookupIndexReader, load_probe
+from kvtier.proto.lookup_index import HOST, LookupIndexWriter
+writer = LookupIndexWriter({str(tmp_path / "idx")!r}, blocks=8)
+writer.set(bytes(range(16)), HOST)
+assert load_probe() is False
+assert LookupIndexReader({str(tmp_path / "idx")!r}).probe([bytes(range(16))]) is None
+writer.close()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True
+    )
+    assert "no compiled probe" in done.stderr
+
+
 def test_lookups_are_calls_until_the_compiled_probe_is_loaded(monkeypatch):
     """Until its thread has loaded the compiled probe, a client answers lookups by call, with
     the same hits; once loaded, from the index."""

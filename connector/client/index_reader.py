@@ -64,14 +64,14 @@ def load_probe() -> bool:
     on a thread of its own and answers lookups by call until then. Never at import: vLLM's
     CPU build (0.32) scans every loaded module when its worker starts, and fails on one of
     llvmlite's, so numba must not be loaded in an engine's process before its engine has
-    started. Where numba is missing, lookups stay calls."""
+    started. Where numba is missing or fails, lookups stay calls."""
     global _walk_table
     with _loading:
         if _walk_table is None:
             try:
                 from kvtier.connector.client.probe_kernel import walk_table
-            except ImportError as exc:
-                log.warning("lookups go to the daemon: no compiled probe of its index (%s)", exc)
+            except Exception:  # no numba, or one that cannot compile it: calls still answer
+                log.warning("lookups go to the daemon: no compiled probe", exc_info=True)
                 return False
             _walk_table = walk_table
     return True
