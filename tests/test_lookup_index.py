@@ -250,6 +250,22 @@ assert not loaded, loaded
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
+def test_a_client_loads_the_probe_on_one_thread_per_process():
+    """In a fresh process, the first client with the index on starts the thread that loads
+    the probe, later clients start none; once it has run, probes are answered."""
+    code = """
+from kvtier.connector.client import index_reader
+index_reader.start_loading_probe()
+loader = index_reader._loader
+assert loader is not None and loader.name == "kvtier-probe-load"
+index_reader.start_loading_probe()
+assert index_reader._loader is loader
+loader.join(300)
+assert index_reader._walk_table is not None
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
 def test_without_numba_the_probe_says_so_and_lookups_stay_calls(tmp_path):
     """Where numba is missing, loading the probe fails with a warning, not an error, and the
     reader answers no probe (the client then calls, as the next test shows)."""
