@@ -1,10 +1,9 @@
 """The lookup index: what a layout's host and disk tiers hold, published in shared memory.
 
-The daemon is its only writer; a client maps it read-only
-(``connector.client.index_reader``) and answers a lookup with a compiled probe of it instead
-of a call. What a probe says is a hint: an ``Acquire`` names
-hashes, and the daemon resolves them again where the bytes are handed over, so a stale or
-torn read can cost a hit but never hand out a wrong block.
+The daemon is its only writer; a client maps it read-only (``connector.client.index_reader``)
+and answers a lookup with a compiled probe of it instead of a call. What a probe says is a
+hint: an ``Acquire`` names hashes, and the daemon resolves them again where the bytes are
+handed over, so a stale or torn read can cost a hit but never hand out a wrong block.
 
 The file is a header and an open-addressing table (linear probing, at most half full) of
 ``ENTRY`` records: a 16-byte block hash and a byte of tier bits. A hash, once written into a
@@ -59,11 +58,17 @@ HASH_MIX = 0x9E37_79B9_7F4A_7C15
 _WORD = (1 << 64) - 1
 
 
+def _shift_for(capacity: int) -> np.uint64:
+    """How far a mixed 64-bit hash shifts right to leave a record number of a table of
+    ``capacity`` records (a power of two)."""
+    return np.uint64(64 - (capacity.bit_length() - 1))
+
+
 def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
     """Each hash's home record, from its two 64-bit words (``[n, 2]``): both words mixed by a
     multiplicative hash, so that hashes alike in either word (a test's, a caller's own) still
     spread over the table instead of clustering into long probes."""
-    shift = np.uint64(64 - (capacity.bit_length() - 1))
+    shift = _shift_for(capacity)
     mix = np.uint64(HASH_MIX)
     with np.errstate(over="ignore"):
         mixed = (words[:, 0] ^ (words[:, 1] * mix)) * mix
@@ -77,7 +82,7 @@ def _bucket(key: bytes, capacity: int) -> int:
         return 0
     low, high = _HASH_WORDS.unpack(key)
     mixed = ((low ^ (high * HASH_MIX & _WORD)) * HASH_MIX) & _WORD
-    return mixed >> (64 - (capacity.bit_length() - 1))
+    return mixed >> int(_shift_for(capacity))
 
 
 def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
@@ -91,13 +96,14 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
 
 class Table:
     """Views of a mapped table: its records as four 64-bit words each (the hash's two
-    first), and each record's tier bits."""
+    first), and each record's tier bits; ``shift`` makes a mixed hash a record number."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
         self.words = np.ndarray((capacity, RECORD_BYTES // 8), "<u8", mapped, HEADER_BYTES)
         self.tiers = records.reshape(capacity, RECORD_BYTES)[:, _TIERS_AT]
         self.capacity = capacity
+        self.shift = _shift_for(capacity)
 
 
 def _place(homes: np.ndarray, capacity: int) -> np.ndarray:

@@ -43,38 +43,40 @@ from kvtier.proto.lookup_index import (
 log = logging.getLogger(__name__)
 
 _walk_table: Callable[..., tuple[int, int]] | None = None
-"""The compiled probe (``probe_kernel.walk_table``), once ``load_probe`` has loaded it."""
-_loading = threading.Lock()
+"""The compiled probe (``probe_kernel.walk_table``), once its loader thread has loaded it."""
 _loader: threading.Thread | None = None
-_starting = threading.Lock()
+_loader_lock = threading.Lock()
 
 
-def start_loading_probe() -> None:
-    """Starts ``load_probe`` on a thread of its own, once per process."""
+def start_loading_probe() -> threading.Thread:
+    """The thread that loads the compiled probe, started by the first call in a process.
+    Loading takes about a second, most of it numba's own start (less with its on-disk
+    cache), so a client starts it and answers lookups by call until it is done. Never at
+    import: vLLM's CPU build (0.32) scans every loaded module when its worker starts, and
+    fails on one of llvmlite's, so numba must not be loaded in an engine's process before
+    its engine has started."""
     global _loader
-    with _starting:
-        if _loader is None and _walk_table is None:
-            _loader = threading.Thread(target=load_probe, name="kvtier-probe-load")
+    with _loader_lock:
+        if _loader is None:
+            _loader = threading.Thread(target=_load, name="kvtier-probe-load")
             _loader.start()
+        return _loader
 
 
 def load_probe() -> bool:
-    """Loads the compiled probe, once per process; True once it is loaded. It takes about a
-    second, most of it numba's own start (less with its on-disk cache), so a client loads it
-    on a thread of its own and answers lookups by call until then. Never at import: vLLM's
-    CPU build (0.32) scans every loaded module when its worker starts, and fails on one of
-    llvmlite's, so numba must not be loaded in an engine's process before its engine has
-    started. Where numba is missing or fails, lookups stay calls."""
+    """Waits for the compiled probe (starting its load if need be); True if it loaded."""
+    start_loading_probe().join()
+    return _walk_table is not None
+
+
+def _load() -> None:
     global _walk_table
-    with _loading:
-        if _walk_table is None:
-            try:
-                from kvtier.connector.client.probe_kernel import walk_table
-            except Exception:  # no numba, or one that cannot compile it: calls still answer
-                log.warning("lookups go to the daemon: no compiled probe", exc_info=True)
-                return False
-            _walk_table = walk_table
-    return True
+    try:
+        from kvtier.connector.client.probe_kernel import walk_table
+    except Exception:  # no numba, or one that cannot compile it: calls still answer
+        log.warning("lookups go to the daemon: no compiled probe", exc_info=True)
+        return
+    _walk_table = walk_table
 
 
 class PrefixHits(NamedTuple):
@@ -96,7 +98,6 @@ class LookupIndexReader:
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
         self._table: Table | None = None
-        self._shift = np.uint64(0)
         self.has_remote = False
 
     def _mapped(self) -> bool:
@@ -126,7 +127,6 @@ class LookupIndexReader:
             return False
         self._map, self.has_remote = mapped, bool(has_remote)
         self._table = Table(mapped, capacity)
-        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
         return True
 
     def _retired(self) -> bool:
@@ -160,7 +160,7 @@ class LookupIndexReader:
         want = np.frombuffer(packed, "<u8").reshape(-1, 2)
         bits = np.zeros(len(want), np.uint8)
         held, host = _walk_table(
-            self._table.words, self._table.tiers, want, self._shift, bits, prefix
+            self._table.words, self._table.tiers, want, self._table.shift, bits, prefix
         )
         return PrefixHits(held, host, bits)
 

@@ -38,10 +38,10 @@ def walk_table(words, tiers, want, shift, bits, prefix):
     """Writes each wanted hash's tier bits into ``bits`` (left 0 on a miss) and returns how
     many hashes it walked and how many of those the host tier holds; with ``prefix`` it stops
     at the first miss, as a lookup does. ``words`` are the table's records as 64-bit words
-    (the hash's two first), ``want`` the hashes as two words each, ``shift`` what makes a
-    mixed hash a record number. No read leaves the map: a home record is below the capacity
-    (by the shift), so is each next one (by the mask), and the reader checked that the file
-    holds that many records."""
+    (the hash's two first), ``want`` the hashes as two words each, ``shift`` the table's
+    (``Table.shift``); a hash is mixed as the writer's ``_buckets`` mixes it. No read leaves
+    the map: a home record is below the capacity (by the shift), so is each next one (by the
+    mask), and the reader checked that the file holds that many records."""
     mask = words.shape[0] - 1
     mix = np.uint64(HASH_MIX)
     host = 0
