@@ -3,10 +3,14 @@ bound to the process that opened the session, with the gRPC stream as its fallba
 
 from __future__ import annotations
 
+import collections
 import os
+import re
 import socket
 import subprocess
 import sys
+import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -60,6 +64,14 @@ def frames(sock: socket.socket) -> list[pb.SlotResultBatch]:
     return batches
 
 
+def channel_holds(daemon: Daemon) -> float:
+    """The daemon's ``kvtier_slot_channel_holds_total``."""
+    url = f"http://127.0.0.1:{daemon.stats_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return float(re.search(r"^kvtier_slot_channel_holds_total (\S+)$", text, re.M).group(1))
+
+
 def test_the_channel_socket_is_the_daemons_users_alone(daemon):
     path = contract.slot_channel_path(daemon.socket)
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
@@ -110,6 +122,66 @@ def test_a_session_of_this_process_is_served_and_a_bad_frame_ends_only_its_chann
         assert store(client, hashes) == hashes
         assert load(client, hashes) == hashes
         assert client.failures == 0
+
+
+def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon):
+    # 100,000 answers are more than the socket's buffers and the daemon's write buffer hold:
+    # the daemon stops reading this channel (and counts it) until the client reads, then takes
+    # the frames it held back. Every operation is answered once, and the channel serves on.
+    with daemon.client() as client:
+        session = client.slot_calls._keeper.session
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        frames_out = []
+        for first in range(1, 100_001, 1000):
+            ops = [
+                pb.SlotOp(op_id=i, cancel=pb.CancelRequest(call_id=i))
+                for i in range(first, first + 1000)
+            ]
+            raw = pb.SlotOpBatch(session_id=session, ops=ops).SerializeToString()
+            frames_out.append(contract.FRAME.pack(len(raw)) + raw)
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            sender = threading.Thread(target=sock.sendall, args=(b"".join(frames_out),))
+            sender.start()
+            wait_until(lambda: channel_holds(daemon) >= 1, "the daemon to stop reading")
+            answered = collections.Counter()
+            data = b""
+            while sum(answered.values()) < 100_000:
+                data += sock.recv(1 << 16)
+                while len(data) >= contract.FRAME.size:
+                    (size,) = contract.FRAME.unpack_from(data)
+                    if len(data) < contract.FRAME.size + size:
+                        break
+                    body = data[contract.FRAME.size : contract.FRAME.size + size]
+                    data = data[contract.FRAME.size + size :]
+                    for result in pb.SlotResultBatch.FromString(body).results:
+                        assert result.code == 0, result.message
+                        answered[result.op_id] += 1
+            sender.join()
+        assert set(answered) == set(range(1, 100_001))
+        assert set(answered.values()) == {1}
+        hashes = [block_hash("after-flood", i) for i in range(4)]
+        assert store(client, hashes) == hashes
+        assert client.failures == 0
+
+
+def test_a_stopping_daemon_ends_each_channel_with_unavailable(daemon):
+    with daemon.client() as client:
+        session = client.slot_calls._keeper.session
+        path = os.fspath(contract.slot_channel_path(daemon.socket))
+        cancel = pb.SlotOp(op_id=3, cancel=pb.CancelRequest(call_id=9))
+        raw = pb.SlotOpBatch(session_id=session, ops=[cancel]).SerializeToString()
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            sock.sendall(contract.FRAME.pack(len(raw)) + raw)
+            (size,) = contract.FRAME.unpack(sock.recv(contract.FRAME.size, socket.MSG_WAITALL))
+            first = pb.SlotResultBatch.FromString(sock.recv(size, socket.MSG_WAITALL))
+            assert [(r.op_id, r.code) for r in first.results] == [(3, 0)]
+            assert daemon.stop() == 0, daemon.log.read_text()
+            results = [r for batch in frames(sock) for r in batch.results]
+    assert [(r.op_id, r.code, r.message) for r in results] == [
+        (0, grpc.StatusCode.UNAVAILABLE.value[0], "daemon stopping")
+    ]
 
 
 def test_a_daemon_without_a_slot_channel_is_reached_over_the_stream(daemon):

@@ -9,9 +9,12 @@ a status, when a batch cannot be taken: undecodable or too large, more than ``MA
 operations, a first batch naming no live session of this connection, a later one naming
 another session. It also ends when the daemon stops.
 
-Operations start in the order they arrive (those the event loop answers at once finish in that
-order too) and are answered as they finish, in batches. At most ``slot_ops_in_flight`` of them
-are running or waiting to be written: beyond that the daemon stops reading the stream, so a
+``SlotOpRunner`` is that per-operation part, shared with the slot channel (``slot_channel``):
+it runs each operation at once, in the caller, as far as it goes without waiting (``eager``),
+so an operation the host tier's memory answers costs no task and no turn of the event loop.
+Operations start in the order they arrive (those answered at once finish in that order too)
+and are answered as they finish, in batches. At most ``slot_ops_in_flight`` of a stream's are
+running or waiting to be written: beyond that the daemon stops reading the stream, so a
 client that sends without reading its answers is held by flow control, not by the daemon's
 memory.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +32,7 @@ import grpc
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto.contract import MAX_SLOT_OPS
 from kvtier.service.rpc.calls import REFUSALS, session_peer, status_of
+from kvtier.service.rpc.eager import start_eagerly
 from kvtier.service.rpc.handlers import Refused
 from kvtier.service.rpc.wire import RequestError
 from kvtier.service.tunables import TUNABLES
@@ -63,9 +67,8 @@ class _Stream:
     def __init__(self, servicer, context: grpc.aio.ServicerContext):
         self.servicer = servicer
         self.context = context
-        self.peer = session_peer(context)
-        self.session = ""
         self.out: asyncio.Queue = asyncio.Queue()
+        self.ops = SlotOpRunner(servicer, context, self.out.put_nowait)
         self.room = asyncio.Semaphore(TUNABLES.slot_ops_in_flight)
         self.running: set[asyncio.Task] = set()
 
@@ -104,12 +107,13 @@ class _Stream:
         end = _End(RequestError(grpc.StatusCode.UNKNOWN, "the daemon failed reading the stream"))
         try:
             async for batch in requests:
-                self._check(batch)
+                self.ops.check(batch)
                 for op in batch.ops:
                     await self.room.acquire()
-                    task = asyncio.create_task(self._run(op))
-                    self.running.add(task)
-                    task.add_done_callback(self.running.discard)
+                    task = self.ops.start(op)
+                    if task is not None:
+                        self.running.add(task)
+                        task.add_done_callback(self.running.discard)
             if self.running:
                 await asyncio.wait(list(self.running))
             end = _End()
@@ -123,7 +127,24 @@ class _Stream:
         await self.servicer.stopping.wait()
         self.out.put_nowait(_End(RequestError(grpc.StatusCode.UNAVAILABLE, "daemon stopping")))
 
-    def _check(self, batch: pb.SlotOpBatch | Refused) -> None:
+
+class SlotOpRunner:
+    """Checks a session's batches and runs their operations, each as its unary call would,
+    handing every result to ``emit`` as it finishes: one stream's or channel's."""
+
+    def __init__(self, servicer, context, emit: Callable[[pb.SlotResult], None]):
+        self.servicer = servicer
+        self.context = context
+        self.peer = session_peer(context)
+        self.session = ""
+        self._emit = emit
+
+    def start(self, op: pb.SlotOp) -> asyncio.Task | None:
+        """Runs ``op`` at once up to its first wait: None if it was answered there (most are:
+        the host tier's memory answers them), else the task that answers it."""
+        return start_eagerly(self._run(op))
+
+    def check(self, batch: pb.SlotOpBatch | Refused) -> None:
         """Refuses a batch the stream cannot take (``RequestError`` or a session refusal)."""
         if isinstance(batch, Refused):
             raise RequestError(batch.code, batch.message, batch.kind)
@@ -173,4 +194,4 @@ class _Stream:
         finally:
             result.code = code.value[0]
             self.servicer.metrics.observe(method, code.name, time.perf_counter() - start)
-            self.out.put_nowait(result)
+            self._emit(result)

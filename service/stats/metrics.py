@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -145,7 +145,8 @@ def _pin_metrics(layouts: list[dict]) -> Iterator[Metric]:
 
 
 class Metrics:
-    """The daemon's registry: the stats collector and the RPC latency histogram."""
+    """The daemon's registry: the stats collector, the RPC latency histogram and the slot
+    channels' holds."""
 
     def __init__(self, snapshot: Callable[[], dict]):
         self.registry = CollectorRegistry()
@@ -155,6 +156,12 @@ class Metrics:
             "Daemon RPC latency by method and outcome",
             ["method", "code"],
             buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self.slot_channel_holds = Counter(
+            "kvtier_slot_channel_holds",
+            "Times the daemon stopped reading a slot channel until its client read its answers "
+            "(or its waiting operations drained)",
             registry=self.registry,
         )
 
