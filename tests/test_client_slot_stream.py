@@ -97,6 +97,31 @@ def test_an_operation_past_its_deadline_trips_the_breaker_and_leaks_nothing(daem
 
 
 @pytest.mark.parametrize("way", WAYS)
+def test_a_reserve_goes_out_behind_a_release_on_its_stream_without_waiting_for_its_answer(
+    daemon, way
+):
+    # The daemon starts a stream's operations in order and answers a Release as it starts
+    # it, so the Reserve behind it sees the room it made: it is sent at once, not after the
+    # Release's answer (a frozen daemon answers neither until it goes on).
+    with daemon.client(slot_stream=True, slot_channel=way == "channel", timeout_s=30) as client:
+        hashes = [block_hash("ordered", i) for i in range(4)]
+        assert store(client, hashes) == hashes
+        slots = client.acquire(hashes)
+        assert len(slots) == len(hashes)
+        with ThreadPoolExecutor(1) as pool, daemon.frozen():
+            client.release(slots)
+            sent = client.slot_calls.streamed
+            reserving = pool.submit(client.reserve, [block_hash("behind", 0)])
+            wait_until(lambda: client.slot_calls.streamed > sent, "the Reserve to go out")
+        reserved = reserving.result(timeout=60)
+        assert reserved[0] >= 0
+        assert client.commit(reserved)
+        assert client.settle(30)
+        assert (client.failures, client.breaker.trips) == (0, 0)
+        assert held(daemon) == (0, 0)
+
+
+@pytest.mark.parametrize("way", WAYS)
 def test_a_broken_stream_fails_what_waits_on_it_then_calls_go_unary_until_a_new_one(daemon, way):
     client = daemon.client(slot_stream=True, slot_channel=way == "channel", timeout_s=60)
     hashes = [block_hash("broken", i) for i in range(4)]

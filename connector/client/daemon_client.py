@@ -243,7 +243,7 @@ class DaemonClient:
         the engine's identity of each block, kept with it and echoed in block events."""
         slots = [NO_SPACE] * len(hashes)
         session = self._usable(bool(hashes))
-        if session is None or not self.settle(self.timeout_s):
+        if session is None or not self._later.settle_for_next(self.timeout_s):
             return slots
         limits = self._keeper.limits
         room = max(0, limits.max_reserved - len(self._ledger.reserved))
@@ -318,7 +318,7 @@ class DaemonClient:
         acquired: list[int] = []
         sources = LowerHits()
         session = self._usable(bool(hashes))
-        if session is None or not self.settle(self.timeout_s):
+        if session is None or not self._later.settle_for_next(self.timeout_s):
             return acquired, sources
         wanted = hashes[: self.acquire_room()]
         step = self.chunk_blocks
@@ -352,8 +352,9 @@ class DaemonClient:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Waits until the daemon has answered every call sent without waiting; False (and
-        the breaker opened) if it has not within ``timeout``. Reserve and acquire call it
-        first (with the call deadline), so that they see the room releases and aborts made."""
+        the breaker opened) if it has not within ``timeout``. Reserve and acquire wait so
+        first (with the call deadline) for those they do not follow on the same stream, so
+        that they see the room releases and aborts made."""
         return self._later.settle(timeout)
 
     # ---- internals ----

@@ -2,8 +2,9 @@
 a failed Reserve or Acquire.
 
 Their answers matter only to the next Reserve or Acquire, which must see the room they made:
-it ``settle``s first. A release or abort the daemon never confirms leaves its view of those
-slots unknown, so that failure gives the session up; a Cancel that fails does too.
+it waits for those it does not follow on the same stream (``settle_for_next``). A release or
+abort the daemon never confirms leaves its view of those slots unknown, so that failure gives
+the session up; a Cancel that fails does too.
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ class LaterCalls:
         own callbacks."""
         with self._lock:
             pending = list(self._unsettled)
+        return self._wait(pending, timeout)
+
+    def settle_for_next(self, timeout: float | None = None) -> bool:
+        """``settle``, for the calls the next operation would not see done otherwise: not
+        those it goes behind on the same stream (``SlotCalls.ordered_before_next``). On the
+        slot channel a Reserve right after a Release goes out at once, not a round trip
+        later."""
+        with self._lock:
+            pending = list(self._unsettled)
+        return self._wait([f for f in pending if not self._calls.ordered_before_next(f)], timeout)
+
+    def _wait(self, pending: list, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for future in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -43,9 +43,11 @@ class StreamError(grpc.RpcError):
 class OpFuture:
     """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``."""
 
-    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply")
+    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply", "carrier")
 
-    def __init__(self):
+    def __init__(self, carrier: PendingOps | None = None):
+        self.carrier = carrier
+        """The ``PendingOps`` of the stream or channel the operation went over."""
         self._done = threading.Event()
         self._reply = None
         self._error: grpc.RpcError | None = None
@@ -134,7 +136,7 @@ class PendingOps:
     def add(self, op_id: int, method: str, request, timeout: float) -> OpFuture | None:
         """Waits for an operation's answer; None if already broken (the caller goes another
         way)."""
-        op = PendingOp(OpFuture(), method, request, timeout)
+        op = PendingOp(OpFuture(self), method, request, timeout)
         with self._lock:
             if self.broken is not None:
                 return None

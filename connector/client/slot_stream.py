@@ -205,6 +205,18 @@ class SlotCalls:
             self._deadlines.watch(future, method, timeout)
         return future
 
+    def ordered_before_next(self, future) -> bool:
+        """Whether the next operation goes over the same open stream (or channel) as
+        ``future``'s, behind it. The daemon starts a stream's operations in the order they
+        came, and answers a Release, Abort or Cancel as it starts it: the next operation sees
+        what such a one did without waiting for its answer."""
+        stream = self._stream
+        return (
+            stream is not None
+            and stream.pending.broken is None
+            and getattr(future, "carrier", None) is stream.pending
+        )
+
     def close(self) -> None:
         with self._lock:
             stream, self._stream = self._stream, None
