@@ -58,17 +58,17 @@ HASH_MIX = 0x9E37_79B9_7F4A_7C15
 _WORD = (1 << 64) - 1
 
 
-def _shift_for(capacity: int) -> np.uint64:
+def _shift_for(capacity: int) -> int:
     """How far a mixed 64-bit hash shifts right to leave a record number of a table of
     ``capacity`` records (a power of two)."""
-    return np.uint64(64 - (capacity.bit_length() - 1))
+    return 64 - (capacity.bit_length() - 1)
 
 
 def _buckets(words: np.ndarray, capacity: int) -> np.ndarray:
     """Each hash's home record, from its two 64-bit words (``[n, 2]``): both words mixed by a
     multiplicative hash, so that hashes alike in either word (a test's, a caller's own) still
     spread over the table instead of clustering into long probes."""
-    shift = _shift_for(capacity)
+    shift = np.uint64(_shift_for(capacity))
     mix = np.uint64(HASH_MIX)
     with np.errstate(over="ignore"):
         mixed = (words[:, 0] ^ (words[:, 1] * mix)) * mix
@@ -82,7 +82,7 @@ def _bucket(key: bytes, capacity: int) -> int:
         return 0
     low, high = _HASH_WORDS.unpack(key)
     mixed = ((low ^ (high * HASH_MIX & _WORD)) * HASH_MIX) & _WORD
-    return mixed >> int(_shift_for(capacity))
+    return mixed >> _shift_for(capacity)
 
 
 def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
@@ -103,7 +103,7 @@ class Table:
         self.words = np.ndarray((capacity, RECORD_BYTES // 8), "<u8", mapped, HEADER_BYTES)
         self.tiers = records.reshape(capacity, RECORD_BYTES)[:, _TIERS_AT]
         self.capacity = capacity
-        self.shift = _shift_for(capacity)
+        self.shift = np.uint64(_shift_for(capacity))
 
 
 def _place(homes: np.ndarray, capacity: int) -> np.ndarray:

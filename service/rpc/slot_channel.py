@@ -33,7 +33,6 @@ the daemon's memory.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import socket
 import struct
@@ -49,8 +48,6 @@ from kvtier.service.rpc.handlers import REQUEST_LIMITS, Refused, guarded_decoder
 from kvtier.service.rpc.slot_ops import SlotOpRunner
 from kvtier.service.rpc.wire import RequestError
 from kvtier.service.tunables import TUNABLES
-
-log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")
 _decode = guarded_decoder("SlotOps", pb.SlotOpBatch)
@@ -102,11 +99,13 @@ class SlotChannelServer:
             self._server.close()
         if self._stopping is not None:
             self._stopping.cancel()
-        for channel in list(self.channels):
-            channel.end(RequestError(grpc.StatusCode.UNAVAILABLE, "daemon stopping"))
+        self._end_all()
 
     async def _end_all_when_stopping(self) -> None:
         await self.servicer.stopping.wait()
+        self._end_all()
+
+    def _end_all(self) -> None:
         for channel in list(self.channels):
             channel.end(RequestError(grpc.StatusCode.UNAVAILABLE, "daemon stopping"))
 
