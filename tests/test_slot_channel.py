@@ -4,6 +4,7 @@ bound to the process that opened the session, with the gRPC stream as its fallba
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -64,6 +66,26 @@ def frames(sock: socket.socket) -> list[pb.SlotResultBatch]:
     return batches
 
 
+@contextlib.contextmanager
+def raw_channel(daemon: Daemon, client) -> Iterator[tuple[socket.socket, str]]:
+    """A connection of this process to the daemon's slot channel, and ``client``'s session
+    (the one this process may name on it)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(os.fspath(contract.slot_channel_path(daemon.socket)))
+        yield sock, client.slot_calls._keeper.session
+
+
+def send(sock: socket.socket, batch: pb.SlotOpBatch) -> None:
+    raw = batch.SerializeToString()
+    sock.sendall(contract.FRAME.pack(len(raw)) + raw)
+
+
+def next_frame(sock: socket.socket) -> pb.SlotResultBatch:
+    """The daemon's next frame on ``sock``."""
+    (size,) = contract.FRAME.unpack(sock.recv(contract.FRAME.size, socket.MSG_WAITALL))
+    return pb.SlotResultBatch.FromString(sock.recv(size, socket.MSG_WAITALL))
+
+
 def channel_holds(daemon: Daemon) -> float:
     """The daemon's ``kvtier_slot_channel_holds_total``."""
     url = f"http://127.0.0.1:{daemon.stats_port}/metrics"
@@ -99,17 +121,12 @@ def test_another_process_cannot_use_a_session_over_the_channel(daemon):
 
 def test_a_session_of_this_process_is_served_and_a_bad_frame_ends_only_its_channel(daemon):
     with daemon.client() as client:
-        session = client.slot_calls._keeper.session
-        path = os.fspath(contract.slot_channel_path(daemon.socket))
         reserve = pb.ReserveRequest(hashes=pack_hashes([block_hash("raw", 0)]))
-        raw = pb.SlotOpBatch(
-            session_id=session, ops=[pb.SlotOp(op_id=7, reserve=reserve)]
-        ).SerializeToString()
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(path)
-            sock.sendall(contract.FRAME.pack(len(raw)) + raw)
-            (size,) = contract.FRAME.unpack(sock.recv(contract.FRAME.size, socket.MSG_WAITALL))
-            answered = pb.SlotResultBatch.FromString(sock.recv(size, socket.MSG_WAITALL))
+        with raw_channel(daemon, client) as (sock, session):
+            send(
+                sock, pb.SlotOpBatch(session_id=session, ops=[pb.SlotOp(op_id=7, reserve=reserve)])
+            )
+            answered = next_frame(sock)
             sock.sendall(contract.FRAME.pack(3) + b"\xff" * 3)  # undecodable
             results = [*answered.results, *(r for batch in frames(sock) for r in batch.results)]
         assert [(r.op_id, r.code) for r in results] == [
@@ -128,36 +145,29 @@ def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon
     # 100,000 answers are more than the socket's buffers and the daemon's write buffer hold:
     # the daemon stops reading this channel (and counts it) until the client reads, then takes
     # the frames it held back. Every operation is answered once, and the channel serves on.
-    with daemon.client() as client:
-        session = client.slot_calls._keeper.session
-        path = os.fspath(contract.slot_channel_path(daemon.socket))
-        frames_out = []
-        for first in range(1, 100_001, 1000):
-            ops = [
-                pb.SlotOp(op_id=i, cancel=pb.CancelRequest(call_id=i))
-                for i in range(first, first + 1000)
-            ]
-            raw = pb.SlotOpBatch(session_id=session, ops=ops).SerializeToString()
-            frames_out.append(contract.FRAME.pack(len(raw)) + raw)
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(path)
-            sender = threading.Thread(target=sock.sendall, args=(b"".join(frames_out),))
-            sender.start()
-            wait_until(lambda: channel_holds(daemon) >= 1, "the daemon to stop reading")
-            answered = collections.Counter()
-            data = b""
-            while sum(answered.values()) < 100_000:
-                data += sock.recv(1 << 16)
-                while len(data) >= contract.FRAME.size:
-                    (size,) = contract.FRAME.unpack_from(data)
-                    if len(data) < contract.FRAME.size + size:
-                        break
-                    body = data[contract.FRAME.size : contract.FRAME.size + size]
-                    data = data[contract.FRAME.size + size :]
-                    for result in pb.SlotResultBatch.FromString(body).results:
-                        assert result.code == 0, result.message
-                        answered[result.op_id] += 1
-            sender.join()
+    with daemon.client() as client, raw_channel(daemon, client) as (sock, session):
+        flood = b"".join(
+            contract.FRAME.pack(len(raw)) + raw
+            for raw in (
+                pb.SlotOpBatch(
+                    session_id=session,
+                    ops=[
+                        pb.SlotOp(op_id=i, cancel=pb.CancelRequest(call_id=i))
+                        for i in range(first, first + 1000)
+                    ],
+                ).SerializeToString()
+                for first in range(1, 100_001, 1000)
+            )
+        )
+        sender = threading.Thread(target=sock.sendall, args=(flood,))
+        sender.start()
+        wait_until(lambda: channel_holds(daemon) >= 1, "the daemon to stop reading")
+        answered = collections.Counter()
+        while sum(answered.values()) < 100_000:
+            for result in next_frame(sock).results:
+                assert result.code == 0, result.message
+                answered[result.op_id] += 1
+        sender.join()
         assert set(answered) == set(range(1, 100_001))
         assert set(answered.values()) == {1}
         hashes = [block_hash("after-flood", i) for i in range(4)]
@@ -166,19 +176,13 @@ def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon
 
 
 def test_a_stopping_daemon_ends_each_channel_with_unavailable(daemon):
-    with daemon.client() as client:
-        session = client.slot_calls._keeper.session
-        path = os.fspath(contract.slot_channel_path(daemon.socket))
-        cancel = pb.SlotOp(op_id=3, cancel=pb.CancelRequest(call_id=9))
-        raw = pb.SlotOpBatch(session_id=session, ops=[cancel]).SerializeToString()
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(path)
-            sock.sendall(contract.FRAME.pack(len(raw)) + raw)
-            (size,) = contract.FRAME.unpack(sock.recv(contract.FRAME.size, socket.MSG_WAITALL))
-            first = pb.SlotResultBatch.FromString(sock.recv(size, socket.MSG_WAITALL))
-            assert [(r.op_id, r.code) for r in first.results] == [(3, 0)]
-            assert daemon.stop() == 0, daemon.log.read_text()
-            results = [r for batch in frames(sock) for r in batch.results]
+    cancel = pb.SlotOp(op_id=3, cancel=pb.CancelRequest(call_id=9))
+    with daemon.client() as client, raw_channel(daemon, client) as (sock, session):
+        send(sock, pb.SlotOpBatch(session_id=session, ops=[cancel]))
+        first = next_frame(sock)
+        assert [(r.op_id, r.code) for r in first.results] == [(3, 0)]
+        assert daemon.stop() == 0, daemon.log.read_text()
+        results = [r for batch in frames(sock) for r in batch.results]
     assert [(r.op_id, r.code, r.message) for r in results] == [
         (0, grpc.StatusCode.UNAVAILABLE.value[0], "daemon stopping")
     ]
