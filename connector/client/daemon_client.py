@@ -352,9 +352,8 @@ class DaemonClient:
 
     def settle(self, timeout: float | None = None) -> bool:
         """Waits until the daemon has answered every call sent without waiting; False (and
-        the breaker opened) if it has not within ``timeout``. Reserve and acquire wait so
-        first (with the call deadline) for those they do not follow on the same stream, so
-        that they see the room releases and aborts made."""
+        the breaker opened) if it has not within ``timeout``. Reserve and acquire first wait
+        so for those not ahead of them on their stream (``LaterCalls.settle_for_next``)."""
         return self._later.settle(timeout)
 
     # ---- internals ----
