@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -106,10 +107,23 @@ def processes_naming(*marks: str) -> list[tuple[int, str]]:
     return found
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on every interface now, below the kernel's ephemeral ports. A client
+    that connects before its server binds (a ZMQ socket retrying its connect) can be given
+    an ephemeral port as its own source port, and connect to itself on it, which takes the
+    port from the server: so vLLM's event publisher once failed to bind in CI."""
+    first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    while True:
+        port = random.randrange(1024, first_ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
 
 
 def block_hash(tag: str, i: int) -> bytes:
