@@ -21,8 +21,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvtier.bench.daemon.probes import hashes_for
-from kvtier.connector.client.index_reader import LookupIndexReader, load_probe
+from kvtier.bench.daemon.probes import hashes_for, require_compiled_probe
+from kvtier.connector.client.index_reader import LookupIndexReader
 from kvtier.proto.lookup_index import HOST, LookupIndexWriter
 
 PAUSE_S = 0.02
@@ -61,8 +61,7 @@ def idle_floors(hashes: int) -> dict[str, float]:
     finally:
         mine.close()
         echo.wait(30)
-    if not load_probe():
-        raise RuntimeError("no compiled probe of the lookup index (is numba installed?)")
+    require_compiled_probe()
     with tempfile.TemporaryDirectory(prefix="kvtier-floor-") as root:
         path = os.path.join(root, "index")
         writer = LookupIndexWriter(path, hashes)

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.bench.daemon.probes import SIGNATURE, hashes_for
+from kvtier.bench.daemon.probes import SIGNATURE, hashes_for, require_compiled_probe
 from kvtier.connector.client.daemon_client import DaemonClient
-from kvtier.connector.client.index_reader import load_probe
 
 SLOT_BLOCKS = 4
 """Blocks per store and per load of the mix: a short prompt's new and loaded blocks."""
@@ -128,8 +127,8 @@ def mix_client(plan: MixPlan, index: int, clients: int, ready, go, begin, out) -
     try:
         if not client.wait_connected(60):
             raise RuntimeError("no daemon session")
-        if plan.lookup_index and not load_probe():  # the client loads it on a thread: wait
-            raise RuntimeError("no compiled probe of the lookup index (is numba installed?)")
+        if plan.lookup_index:
+            require_compiled_probe()
         hashes = hashes_for(plan.hashes)
         rows = torch.randint(0, 256, (SLOT_BLOCKS, plan.block_bytes), dtype=torch.uint8)
         for i in range(3):  # warm the channel, the arena's pages and the copies

@@ -17,9 +17,17 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvtier.connector.client.daemon_client import DaemonClient
+from kvtier.connector.client.index_reader import load_probe
 
 SIGNATURE = xxhash.xxh3_128_digest(b"kvtier bench daemon")
 SMALL_LOOKUP_HASHES = 16
+
+
+def require_compiled_probe() -> None:
+    """Waits for the lookup index's compiled probe, which a client loads on a thread of its
+    own (its lookups are calls until then): a bench timing probes must not time calls."""
+    if not load_probe():
+        raise RuntimeError("no compiled probe of the lookup index (is numba installed?)")
 
 
 def hashes_for(count: int) -> list[bytes]:

@@ -33,9 +33,9 @@ import torch
 import xxhash
 
 from kvtier.bench.daemon.command import start_daemon
+from kvtier.bench.daemon.probes import require_compiled_probe
 from kvtier.bench.gpu.connector import vllm_placement
 from kvtier.connector.client.daemon_client import DaemonClient
-from kvtier.connector.client.index_reader import load_probe
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.layout import KVLayout
 
@@ -84,8 +84,7 @@ def _client(
         )
         if not client.wait_connected(60):
             raise RuntimeError("the daemon did not come up")
-        if not load_probe():  # the client loads it on a thread: wait
-            raise RuntimeError("no compiled probe of the lookup index (is numba installed?)")
+        require_compiled_probe()
         placement = vllm_placement(layout, 2 * requests * blocks, "BLHNC", device)
         engine = CopyEngine(placement, client.slab)
         sent = [_hashes(index, r, blocks) for r in range(requests)]

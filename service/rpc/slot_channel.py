@@ -252,8 +252,8 @@ class _Channel(asyncio.Protocol):
         if self._ended:
             return
         for first in range(0, len(answers), MAX_SLOT_OPS):
-            raw = pb.SlotResultBatch(results=answers[first : first + MAX_SLOT_OPS])
-            raw = raw.SerializeToString()
+            batch = pb.SlotResultBatch(results=answers[first : first + MAX_SLOT_OPS])
+            raw = batch.SerializeToString()
             self._transport.write(FRAME.pack(len(raw)) + raw)
 
     def _held(self) -> bool:
