@@ -85,6 +85,9 @@ def test_small_run_on_gpu(capsys):
         "e2e_store_ratio_4",
         "e2e_load_ratio_4",
         "e2e_load4_ms",
+        "e2e_load4_lookup_ms",
+        "e2e_load4_acquire_ms",
+        "e2e_load4_copy_ms",
         "engine_thread_sync_ms",
         "step_overhead_zero_reuse",
     ):
@@ -105,3 +108,4 @@ def test_end_to_end_rows_run_the_connector_sequence_through_a_real_daemon_on_cpu
     run = end_to_end(layout, blocks=4, requests=2, small_loads=2, device="cpu")
     assert run.exact
     assert run.store_gbps > 0 and run.load_gbps > 0 and run.load4_ms > 0
+    assert all(ms > 0 for ms in run.load4_parts_ms)

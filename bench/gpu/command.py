@@ -149,6 +149,13 @@ def run(args: argparse.Namespace) -> int:
             )
         },
         "e2e_load4_ms": round(min(run.load4_ms for run in e2e), 3),
+        **dict(
+            zip(
+                ("e2e_load4_lookup_ms", "e2e_load4_acquire_ms", "e2e_load4_copy_ms"),
+                (round(ms, 3) for ms in min(e2e, key=lambda run: run.load4_ms).load4_parts_ms),
+                strict=True,
+            )
+        ),
         "e2e_round_trip_exact": all(run.exact for run in e2e),
         "engine_thread_sync_ms": round(steps.sync_ms, 4),
         "step_ms_connector_off": round(steps.step_ms_off, 3),
@@ -197,7 +204,11 @@ def run(args: argparse.Namespace) -> int:
             f"request: store {run.store_gbps:.2f} GB/s ({run.store_gbps / ceiling.d2h_gbps:.0%}), "
             f"load {run.load_gbps:.2f} GB/s ({run.load_gbps / ceiling.h2d_gbps:.0%})"
         )
-    print(f"a 4-block load, lookup to copies done: {out['e2e_load4_ms']} ms")
+    print(
+        f"a 4-block load, lookup to copies done: {out['e2e_load4_ms']} ms (lookup "
+        f"{out['e2e_load4_lookup_ms']}, acquire {out['e2e_load4_acquire_ms']}, copy "
+        f"{out['e2e_load4_copy_ms']})"
+    )
     print(
         f"serving steps of {args.step_ms} ms, {args.step_blocks} blocks stored per step: "
         f"engine thread inside kvtier {out['engine_thread_sync_ms']} ms/step, step time "

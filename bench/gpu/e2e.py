@@ -50,6 +50,8 @@ class EndToEnd:
     load_gbps: float
     load4_ms: float
     """Median of one 4-block load from its Lookup to its copies done."""
+    load4_parts_ms: tuple[float, float, float]
+    """Medians of that load's parts: the Lookup (an index probe), the Acquire, the copy."""
     exact: bool
 
 
@@ -150,9 +152,12 @@ def _client(
             hashes = sent[n % requests][:SMALL_LOAD_BLOCKS]
             t0 = time.perf_counter()
             client.lookup(hashes)
+            t1 = time.perf_counter()
             slots = client.acquire(hashes)
+            t2 = time.perf_counter()
             engine.load(slots, gpu_in[0][:SMALL_LOAD_BLOCKS]).wait()
-            small.append(time.perf_counter() - t0)
+            t3 = time.perf_counter()
+            small.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
             client.release(slots)
         # request 0's blocks took the small loads; every other one must have come back whole
         stored_ids = [i for ids in gpu_out[1:] for i in ids]
@@ -202,10 +207,12 @@ def end_to_end(
     store_s = max(r[1] for r in results) - min(r[0] for r in results)
     load_s = max(r[3] for r in results) - min(r[2] for r in results)
     small = [s for r in results for s in r[4]]
+    medians = [statistics.median(part) * 1e3 for part in zip(*small, strict=True)] or [0.0] * 4
     return EndToEnd(
         blocks,
         moved / store_s / 1e9,
         moved / load_s / 1e9,
-        statistics.median(small) * 1e3 if small else 0.0,
+        medians[0],
+        (medians[1], medians[2], medians[3]),
         all(r[5] for r in results),
     )
