@@ -197,28 +197,38 @@ class LookupIndexWriter:
 
     def set(self, block_hash: bytes, tier: int) -> None:
         """Marks ``block_hash`` as held by ``tier`` (``HOST`` or ``DISK``)."""
-        self._change(block_hash, tier, True)
+        self._change([block_hash], tier, True)
 
     def clear(self, block_hash: bytes, tier: int) -> None:
         """Marks ``block_hash`` as no longer held by ``tier``."""
-        self._change(block_hash, tier, False)
+        self._change([block_hash], tier, False)
 
-    def _change(self, block_hash: bytes, tier: int, held: bool) -> None:
-        if len(block_hash) != HASH_BYTES:
-            raise ValueError(f"a block hash has {HASH_BYTES} bytes, not {len(block_hash)}")
+    def set_all(self, hashes: list[bytes], tier: int) -> None:
+        """``set`` of each hash, under one lock (a commit's or an eviction's batch)."""
+        self._change(hashes, tier, True)
+
+    def clear_all(self, hashes: list[bytes], tier: int) -> None:
+        """``clear`` of each hash, under one lock."""
+        self._change(hashes, tier, False)
+
+    def _change(self, hashes: list[bytes], tier: int, held: bool) -> None:
+        if any(len(block_hash) != HASH_BYTES for block_hash in hashes):
+            bad = next(h for h in hashes if len(h) != HASH_BYTES)
+            raise ValueError(f"a block hash has {HASH_BYTES} bytes, not {len(bad)}")
         with self._lock:
             if self._map is None:
                 return
-            record = self._slots.get(block_hash)
-            if record is None:
-                if not held:
-                    return
-                if 2 * (self._used + 1) > self._table.capacity:
-                    self._rebuild()
-                record = self._slots[block_hash] = self._insert(block_hash)
-            at = HEADER_BYTES + record * RECORD_BYTES + _TIERS_AT
-            bits = self._map[at]
-            self._map[at] = bits | tier if held else bits & ~tier
+            for block_hash in hashes:
+                record = self._slots.get(block_hash)
+                if record is None:
+                    if not held:
+                        continue
+                    if 2 * (self._used + 1) > self._table.capacity:
+                        self._rebuild()
+                    record = self._slots[block_hash] = self._insert(block_hash)
+                at = HEADER_BYTES + record * RECORD_BYTES + _TIERS_AT
+                bits = self._map[at]
+                self._map[at] = bits | tier if held else bits & ~tier
 
     def _rebuild(self) -> None:
         """A fresh table of the hashes some tier still holds (cleared records left out)."""

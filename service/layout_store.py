@@ -285,9 +285,12 @@ class LayoutStore:
                 self.index.set(block_hash, INDEX_DISK)
             after = batch[-1][0]
 
-    def _host_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
-        self._indexed(kind, block_hash, INDEX_HOST)
-        self.events.emit(kind, HOST, block_hash, meta, self.signature)
+    def _host_event(self, kind: str, blocks: list[tuple[bytes, bytes]]) -> None:
+        if self.index is not None:
+            change = self.index.set_all if kind == STORED else self.index.clear_all
+            change([block_hash for block_hash, _ in blocks], INDEX_HOST)
+        for block_hash, meta in blocks:
+            self.events.emit(kind, HOST, block_hash, meta, self.signature)
 
     def _disk_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
         self._indexed(kind, block_hash, INDEX_DISK)

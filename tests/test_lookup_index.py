@@ -74,6 +74,26 @@ def test_a_full_table_is_rebuilt_and_readers_follow_it(tmp_path):
         writer.close()
 
 
+def test_a_batch_that_outgrows_the_table_lands_whole_in_the_rebuilt_one(tmp_path):
+    """``set_all`` (a commit's batch) rebuilds the table in the middle of its batch and goes
+    on in the new one; ``clear_all`` (an eviction's) clears in either."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=1)
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        batch = [h(i) for i in range(3 * MIN_CAPACITY)]
+        writer.set_all(batch, HOST)
+        writer.set_all(batch[::2], DISK)
+        writer.clear_all([*batch[: MIN_CAPACITY // 2], h(1 << 40)], HOST)
+        got = reader.probe([*batch, h(1 << 40)]).tolist()
+        want = [
+            (HOST if i >= MIN_CAPACITY // 2 else 0) | (DISK if i % 2 == 0 else 0)
+            for i in range(len(batch))
+        ]
+        assert got == [*want, 0]
+    finally:
+        writer.close()
+
+
 def test_a_probe_of_a_torn_or_foreign_file_never_claims_a_hit(tmp_path):
     path = tmp_path / "idx"
     path.write_bytes(os.urandom(4096))

@@ -186,4 +186,4 @@ class Promoter:
         self._slots.state[slot] = READY
         self._slots.refs[slot] = 1
         self.counters.blocks_promoted += 1
-        self._ops.emit("stored", self._slots.hash_of(slot), self._slots.meta.get(slot, b""))
+        self._ops.emit("stored", [(self._slots.hash_of(slot), self._slots.meta.get(slot, b""))])

@@ -19,7 +19,9 @@ from kvtier.tiers.host.admission import AdmissionPolicy
 from kvtier.tiers.host.slots import READY, SlotTable
 from kvtier.tiers.lower import DiskTierLike
 
-EventFn = Callable[[str, BlockHash, bytes], None]
+EventFn = Callable[[str, list[tuple[BlockHash, bytes]]], None]
+"""Hears blocks of one kind ("stored" or "removed"), (hash, meta) each, a batch at a time: the
+daemon's lookup index takes a batch under one lock."""
 
 
 class Residency:
@@ -34,7 +36,7 @@ class Residency:
         on_event: EventFn | None,
     ):
         """``changed`` is the host tier's lock and condition, notified when a slot comes
-        free; ``on_event(kind, hash, meta)`` hears "removed" for every eviction."""
+        free; ``on_event("removed", blocks)`` hears each batch of evictions."""
         self._table = table
         self._slab = slab
         self._changed = changed
@@ -49,12 +51,15 @@ class Residency:
         self._counters.used_blocks += 1
         self._counters.used_bytes += self._block_bytes
 
-    def drop(self, slot: int) -> BlockHash:
+    def drop(self, slot: int, notify: bool = True) -> BlockHash:
+        """Frees ``slot``; ``notify`` False leaves waking the waiters to the caller, who holds
+        the lock (they run only once it is let go, so one notice for a batch does)."""
         block_hash = self._table.drop(slot)
         self._admission.dropped(block_hash)
         self._counters.used_blocks -= 1
         self._counters.used_bytes -= self._block_bytes
-        self._changed.notify_all()
+        if notify:
+            self._changed.notify_all()
         return block_hash
 
     def take(self) -> int | None:
@@ -84,13 +89,14 @@ class Residency:
                 else:
                     self._counters.blocks_kept_off_disk += 1
             self._counters.blocks_evicted += 1
-            self.drop(slot)
-            self.emit("removed", victim, meta)
+            self.drop(slot, notify=False)
+        self._changed.notify_all()
+        self.emit("removed", [(victim, meta) for _, victim, meta in victims])
         return {victim for _, victim, _ in victims}
 
-    def emit(self, kind: str, block_hash: BlockHash, meta: bytes) -> None:
-        if self._on_event is not None:
-            self._on_event(kind, block_hash, meta)
+    def emit(self, kind: str, blocks: list[tuple[BlockHash, bytes]]) -> None:
+        if self._on_event is not None and blocks:
+            self._on_event(kind, blocks)
 
     def spill_all(self) -> int:
         """``HostTier.spill_all``. None is shed for the disk's backlog: these copies are

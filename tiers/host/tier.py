@@ -291,6 +291,7 @@ class HostTier:
         first. With ``write_behind`` each is written to the tiers below from its slot, pinned
         until they are done."""
         committed: list[tuple[int, BlockHash, bytes, list[Below]]] = []
+        stored: list[tuple[BlockHash, bytes]] = []
         with self._lock:
             table = self._slots
             for slot in slots:
@@ -305,7 +306,8 @@ class HostTier:
                     table.lru_push(slot)
                 self.counters.blocks_stored += 1
                 self.counters.bytes_in += self.block_bytes
-                self._room.emit("stored", block_hash, meta)
+                stored.append((block_hash, meta))
+            self._room.emit("stored", stored)
         for block in committed:
             self._behind.start(*block)
 
