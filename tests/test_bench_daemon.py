@@ -22,6 +22,10 @@ MIX_KEYS = (
     "round_trip_idle_us",
     "index_probe_hot_us",
     "index_probe_idle_us",
+    "daemon_reserve_us_per_block",
+    "daemon_commit_us_per_block",
+    "daemon_acquire_us_per_block",
+    "daemon_release_us_per_block",
 )
 
 

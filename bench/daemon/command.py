@@ -35,6 +35,9 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   (``floors``): this machine's own cost of a round trip between two processes and of a probe of
   a ``--hashes`` lookup index, back to back and after an idle pause such as the paced clients
   take between requests; on a VM the idle ones are several times the others;
+* ``daemon_{reserve,commit,acquire,release}_us_per_block`` (``per_block``): the daemon's own
+  work per block of a ``--batch``-block call, in this process without the wire, its host tier
+  full (each Reserve evicts what it takes): what grows with a store's or a load's length;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
   with full-size lookups (heavy calls run on worker threads, so they must not stall it);
 * ``small_lookup_p99_slow_remote_ms``: the same small host-hit lookup, one every 5 ms, its
@@ -63,6 +66,7 @@ import torch
 
 from kvtier.bench.daemon.floors import idle_floors
 from kvtier.bench.daemon.mix import MixPlan, mix_figures, store_control_us
+from kvtier.bench.daemon.per_block import per_block_us
 from kvtier.bench.daemon.probes import (
     SIGNATURE,
     SMALL_LOOKUP_HASHES,
@@ -287,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
             daemon.wait(30)
         raw_write, _, how = raw_disk_gbps(str(root), burst * block_bytes)
         floors = idle_floors(args.hashes)
+        per_block = per_block_us(args.batch, max(args.rounds, 50))
         src = torch.randint(0, 256, (burst // 2, block_bytes), dtype=torch.uint8)
         dst = src.clone()
         with disk_writing(str(root)):
@@ -301,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         **mix,
         "store_control_us": control_us,
         **floors,
+        **per_block,
         **lookups,
         "rpc_floor_p50_ms": floor_ms,
         "lookup_vs_floor": lookups["lookup_p50_ms"] / floor_ms,

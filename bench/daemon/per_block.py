@@ -1,0 +1,77 @@
+"""What the daemon's own work costs per block, without the wire: ``kvtier bench daemon``'s
+``daemon_{reserve,commit,acquire,release}_us_per_block``.
+
+A private ``Daemon`` (host tier only, full, so every Reserve evicts as many blocks as it takes,
+as a busy node's does) is called in this process, as the servicer calls it for a Reserve,
+Commit, Acquire and Release of ``batch`` new blocks, round after round. What a call over the
+slot channel adds (decoding, the event loop, the answer) is the same for any number of blocks;
+what grows with a store's or a load's length is this. Blocks are 64 KiB whatever the bench's
+block size: no bytes move here, and the arena stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from kvtier.proto.contract import PROTOCOL_VERSION
+from kvtier.service.config import DaemonConfig
+from kvtier.service.daemon import Daemon
+from kvtier.service.events import EventHub
+from kvtier.service.store import BlockStore
+
+BLOCK_BYTES = 64 << 10
+SLOTS = 2048
+WARM_ROUNDS = 5
+CALLS = ("reserve", "commit", "acquire", "release")
+
+
+def per_block_us(batch: int, rounds: int) -> dict[str, float]:
+    """Median microseconds per block of each call, over ``rounds`` rounds of ``batch`` blocks."""
+    return asyncio.run(_measure(batch, rounds))
+
+
+async def _measure(batch: int, rounds: int) -> dict[str, float]:
+    # a short root: the daemon's socket path must fit 107 bytes
+    with tempfile.TemporaryDirectory(prefix="kvb-", dir="/tmp") as root:
+        config = DaemonConfig(
+            name=f"bench-{uuid.uuid4().hex[:8]}",
+            socket=Path(root) / "d.sock",
+            data_dir=Path(root) / "data",
+            host_bytes=SLOTS * BLOCK_BYTES,
+            disk_bytes=0,
+        )
+        events = EventHub(asyncio.get_running_loop(), max_subscribers=1)
+        daemon = Daemon(config, BlockStore(config, events))
+        try:
+            opened = daemon.open("bench-per-block", b"p" * 16, BLOCK_BYTES, 16, PROTOCOL_VERSION)
+            session = opened.session.session_id
+            times: dict[str, list[float]] = {name: [] for name in CALLS}
+            # enough rounds to fill the tier first: then each Reserve evicts what it takes
+            for round_ in range(SLOTS // batch + WARM_ROUNDS + rounds):
+                hashes = [uuid.uuid4().bytes for _ in range(batch)]
+                t0 = time.perf_counter()
+                slots = daemon.reserve(session, hashes)
+                t1 = time.perf_counter()
+                daemon.commit(session, slots)
+                t2 = time.perf_counter()
+                got, _ = daemon.acquire(session, hashes, memory_only=True)
+                t3 = time.perf_counter()
+                daemon.release(session, got)
+                t4 = time.perf_counter()
+                if min(slots) < 0 or len(got) != batch:
+                    raise RuntimeError(f"a round missed: {slots[:4]}, {len(got)} acquired")
+                if round_ >= SLOTS // batch + WARM_ROUNDS:
+                    spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+                    for name, seconds in zip(CALLS, spans, strict=True):
+                        times[name].append(seconds)
+        finally:
+            daemon.shutdown()
+    return {
+        f"daemon_{name}_us_per_block": statistics.median(seconds) * 1e6 / batch
+        for name, seconds in times.items()
+    }
