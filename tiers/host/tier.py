@@ -291,7 +291,6 @@ class HostTier:
         first. With ``write_behind`` each is written to the tiers below from its slot, pinned
         until they are done."""
         committed: list[tuple[int, BlockHash, bytes, list[Below]]] = []
-        stored: list[tuple[BlockHash, bytes]] = []
         with self._lock:
             table = self._slots
             for slot in slots:
@@ -306,8 +305,7 @@ class HostTier:
                     table.lru_push(slot)
                 self.counters.blocks_stored += 1
                 self.counters.bytes_in += self.block_bytes
-                stored.append((block_hash, meta))
-            self._room.emit("stored", stored)
+            self._room.emit("stored", [(block_hash, meta) for _, block_hash, meta, _ in committed])
         for block in committed:
             self._behind.start(*block)
 
