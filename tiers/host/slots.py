@@ -1,7 +1,7 @@
 """The host tier's per-slot bookkeeping in a few flat arrays.
 
 A host tier can have hundreds of thousands of slots, so nothing here is a Python object per
-slot: state, reference counts and the LRU links are flat arrays (about 32 bytes a slot in
+slot: state, reference counts and the LRU links are flat arrays (about 25 bytes a slot in
 all). Only slots in use have an index entry (hash → slot) and, when the engine sent one, a
 metadata entry; a slot's hash is read back through a list that refers to the index's own key
 (8 bytes a slot, and no copy: rebuilding the hash from a numpy row cost about 0.8 µs, three
