@@ -221,7 +221,9 @@ class _Channel(asyncio.Protocol):
         end = FRAME.size + size
         if len(self._buffer) < end:
             return None
-        batch = _decode(bytes(self._buffer[FRAME.size : end]))
+        # one copy of the frame (a bytearray slice is one already): the decoded message must
+        # not refer to the buffer, which shrinks next
+        batch = _decode(bytes(memoryview(self._buffer)[FRAME.size : end]))
         del self._buffer[:end]
         if isinstance(batch, Refused):
             raise RequestError(batch.code, batch.message, batch.kind)
