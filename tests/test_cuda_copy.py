@@ -148,6 +148,24 @@ def test_a_finished_load_completes_while_a_store_waits():
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def test_writes_ordered_after_a_handed_off_store_never_reach_its_copy(order):
+    """A store's copies are queued on the engine's own thread, after the call returns; the
+    writes the engine orders after it (a recycled block's next writer) wait for them."""
+    src = filled(order)
+    host = HostTier(LAYOUT.block_bytes, 32 * LAYOUT.block_bytes)
+    engine = CopyEngine(src, host.slab, staging_bytes=4 * LAYOUT.block_bytes)
+    ids, slots = [3, 7, 8, 20, 41], [4, 0, 1, 2, 3]
+    want = blocks_of(src, ids)
+    busy()
+    store = engine.store(ids, slots)
+    store.order_before()
+    src.buffer.fill_(0)
+    store.wait()
+    assert torch.equal(host.slab[slots], want)
+    engine.close()
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_gpu_memory_stays_within_the_ring(order):
     """Defect 3: each transfer allocated n x block_bytes of staging outside vLLM's budget."""
     src = filled(order, blocks=256)

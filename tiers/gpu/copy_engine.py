@@ -5,7 +5,8 @@ fall-through walk, the vLLM connector's worker). A store copies blocks into slot
 work already queued on the compute stream; a load copies slots into blocks and hands back a
 ``Transfer`` whose event the engine waits on before attention reads them. On CUDA the copies
 run on side streams (``cuda_copy``), on a CPU synchronously (``cpu_copy``); the planning is
-the same (``plan``).
+the same (``plan``). A CUDA store is handed off at once: the engine's thread fixes what it
+copies, a thread of the engine's own queues the copies (``submitter``).
 
 The engine locks (``cudaHostRegister``) the slab it copies through on first use, on the
 calling (engine) thread and under the KV buffer's device, unless the slab's owner locks it
@@ -34,6 +35,7 @@ from kvtier.tiers.gpu.pinned import (
 )
 from kvtier.tiers.gpu.placement import KVPlacement
 from kvtier.tiers.gpu.plan import check_pairs
+from kvtier.tiers.gpu.submitter import StoreSubmitter
 from kvtier.tiers.gpu.transfer import Callback, CompletionQueue, Transfer
 from kvtier.tiers.tunables import TUNABLES
 
@@ -71,6 +73,7 @@ class CopyEngine:
         self._stores = CompletionQueue()
         self._loads = CompletionQueue()
         self._cuda = None
+        self._submitter: StoreSubmitter | None = None  # started by the first store on CUDA
         if self.on_cuda:
             from kvtier.tiers.gpu.cuda_copy import CudaCopier
 
@@ -107,6 +110,8 @@ class CopyEngine:
         ptr = self.slab.data_ptr()
         if self.slab.numel() == 0 or ptr == self._mapping:
             return self.host_pinned  # a mapping that could not be locked is not tried again
+        for transfer in self._stores:  # none is left to queue into the mapping unlocked below
+            transfer.await_queued()
         self.release_host()
         self._mapping = ptr
         if is_registered(self.slab):
@@ -143,8 +148,22 @@ class CopyEngine:
                 cpu_copy.store_rows(self.placement, self.slab, block_ids, slots)
             return self._done_at_once(Transfer(n, nbytes, callback))
         self.prepare_host()
-        start, done, ids = self._cuda.store(block_ids, slots, self.slab, self._boundary())
-        return self._stores.push(Transfer(n, nbytes, callback, start, done, self._give_back(ids)))
+        # what the copy reads is fixed here, on the engine's thread: the compute stream's work
+        # so far, the slab's mapping now; the submitter's thread queues the copies
+        ready, host, boundary = self._cuda.mark(), self.slab.view(-1), self._boundary()
+        block_ids, slots = list(block_ids), list(slots)
+
+        def queue_copies():
+            start, done, ids = self._cuda.store(block_ids, slots, host, boundary, ready)
+            return start, done, self._give_back(ids)
+
+        if self._submitter is None:
+            index = self.device.index
+            if index is None:
+                index = torch.cuda.current_device()
+            self._submitter = StoreSubmitter(index)
+        transfer = self._submitter.submit(Transfer(n, nbytes, callback), queue_copies)
+        return self._stores.push(transfer)
 
     def load(
         self,
@@ -171,6 +190,8 @@ class CopyEngine:
                 cpu_copy.load_rows(self.placement, self.slab, slots, block_ids)
             return self._done_at_once(Transfer(n, nbytes, callback))
         self.prepare_host()
+        for transfer in after:
+            transfer.await_queued()
         waits = [t.done_event for t in after if t.done_event is not None]
         start, done, ids = self._cuda.load(slots, block_ids, self.slab, self._boundary(), waits)
         return self._loads.push(Transfer(n, nbytes, callback, start, done, self._give_back(ids)))
@@ -187,6 +208,9 @@ class CopyEngine:
     def close(self) -> None:
         """Lets every copy land, then unlocks the slab mapping this engine locked."""
         self.synchronize()
+        if self._submitter is not None:
+            self._submitter.close()
+            self._submitter = None
         self.release_host()
 
     # ---- internals ----

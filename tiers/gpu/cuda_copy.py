@@ -19,6 +19,7 @@ The engine's thread only queues work: ids go to the device from pinned memory wi
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -87,21 +88,23 @@ class PinnedIds:
     def __init__(self, pin: bool = True, ready: int = 0, capacity: int = 256):
         self._pin = pin
         self._free = [torch.empty(capacity, dtype=torch.long, pin_memory=pin) for _ in range(ready)]
+        # stores take buffers on the submitter's thread, loads on the engine's
+        self._lock = threading.Lock()
 
     def take(self, values: Sequence[int]) -> torch.Tensor:
         """A buffer holding ``values`` (first ``len(values)`` entries); give it back when done."""
         n = len(values)
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= n:
-                del self._free[i]
-                break
-        else:
+        with self._lock:
+            fits = next((i for i, b in enumerate(self._free) if b.numel() >= n), None)
+            buf = None if fits is None else self._free.pop(fits)
+        if buf is None:
             buf = torch.empty(max(n, 256), dtype=torch.long, pin_memory=self._pin)
         buf.numpy()[:n] = values
         return buf
 
     def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
+        with self._lock:
+            self._free.append(buf)
 
 
 class CudaCopier:
@@ -127,23 +130,28 @@ class CudaCopier:
     def staging_bytes(self) -> int:
         return sum(ring.nbytes for ring in self._rings.values())
 
+    def mark(self) -> torch.cuda.Event:
+        """An event after the work queued so far on the calling thread's compute stream."""
+        return _record(torch.cuda.current_stream(self.device))
+
     def store(
         self,
         block_ids: Sequence[int],
         slots: Sequence[int],
         slab: torch.Tensor,
         host_boundary: int,
+        ready: torch.cuda.Event,
     ) -> tuple[torch.cuda.Event, torch.cuda.Event, torch.Tensor | None]:
-        """Queues GPU blocks -> slots after the compute stream's queued work.
+        """Queues GPU blocks -> slots after ``ready`` (a ``mark`` of the compute stream); any
+        thread may call it.
 
         Returns (start event, done event, pinned ids the transfer owns until done).
         """
-        compute = torch.cuda.current_stream(self.device)
         host = slab.view(-1)
         block_bytes = self.placement.layout.block_bytes
         if not self._rings:
             stream = self._dma[STORE]
-            stream.wait_stream(compute)
+            stream.wait_event(ready)
             runs = self.placement.block_runs(block_ids, slots, host_boundary)
             # every call below names its stream: no current-stream switch on the engine's thread
             start = _record(stream, timing=True)
@@ -152,7 +160,7 @@ class CudaCopier:
         ids = self.ids.take(block_ids)
         ring, kernels, dma = self._rings[STORE], self._kernels[STORE], self._dma[STORE]
         dev_ids = ring.load_ids(ids, len(block_ids), kernels)
-        kernels.wait_stream(compute)
+        kernels.wait_event(ready)
         start = _record(kernels, timing=True)
         for chunk in chunk_ranges(len(block_ids), ring.slot_blocks):
             k, m = ring.take(), len(chunk)
