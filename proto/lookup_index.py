@@ -14,9 +14,13 @@ fills (live and cleared records together), the writer builds a new file, renames
 old name and marks the old one ``RETIRED``; a reader that sees the mark maps the new one.
 
 A daemon that dies without retiring its index (killed) leaves the file as it was: the writer
-holds an exclusive ``flock`` on the file it publishes, which the kernel lets go with the
-process, and a reader that can take the lock itself knows nobody keeps the index any more and
-answers no probe from it.
+holds a lock on the file it publishes, which the kernel lets go with the process (or when the
+writer replaces the file and closes it), and a reader that finds no lock held knows nobody
+keeps that file any more and answers no probe from it. The lock is an open file description's
+record lock (``F_OFD_SETLK``), which a reader queries with one ``fcntl`` that neither takes
+it nor raises (``is_kept``). The writer holds an exclusive ``flock`` too: the readers of
+clients from before the record lock try to take that, and a reader finds a writer from before
+it by it (``is_flock_kept``).
 """
 
 from __future__ import annotations
@@ -41,11 +45,44 @@ HEADER_BYTES = 64
 RECORD_BYTES = 32
 """A record: the hash (16 bytes), its tier bits (1 byte), padding to a power of two."""
 _TIERS_AT = 16
+TIERS_WORD = _TIERS_AT // 8
+"""A record's 64-bit word whose low byte (little-endian) is its tier bits."""
 MIN_CAPACITY = 1024
 MAX_PROBES = 64
 """A probe that walks this far finds the table badly clustered: it answers a miss."""
 RETIRED_AT = 24
 _HASH_WORDS = struct.Struct("<QQ")
+_FLOCK = struct.Struct("hhqqi4x")
+"""Linux's ``struct flock``: type, whence, start, length (0: the whole file), pid (0 for a
+record lock of an open file description)."""
+_WHOLE_FILE_LOCK = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+_WHOLE_FILE_QUERY = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, 0, 0, 0)
+_NO_LOCK = struct.pack("h", fcntl.F_UNLCK)
+
+
+def keep(fd: int) -> None:
+    """Takes the writer's locks on the file open at ``fd`` (read-write), for as long as it
+    stays open."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _WHOLE_FILE_LOCK)
+
+
+def is_kept(fd: int) -> bool:
+    """Whether a live writer keeps the file open at ``fd`` (it holds the lock ``keep`` took):
+    one system call, which takes no lock."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _WHOLE_FILE_QUERY)
+    return answer[:2] != _NO_LOCK
+
+
+def is_flock_kept(fd: int) -> bool:
+    """Whether a live writer holds its ``flock`` on the file open at ``fd``: all that a daemon
+    from before the record lock holds (a shared lock it refuses is one a writer holds)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def _capacity_for(blocks: int) -> int:
@@ -154,7 +191,7 @@ class LookupIndexWriter:
         fresh = self.path.with_name(f"{self.path.name}.{os.getpid()}.{self._generation}")
         fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            keep(fd)
             os.ftruncate(fd, size)
             mapped = mmap.mmap(fd, size)
         except BaseException:

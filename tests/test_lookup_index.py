@@ -5,10 +5,12 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import struct
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvtier.connector.client import index_reader
@@ -24,6 +26,8 @@ from kvtier.proto.lookup_index import (
     LookupIndexWriter,
     _place,
     index_path,
+    is_kept,
+    keep,
 )
 
 from daemonutil import BLOCK_BYTES, SIGNATURE, Daemon, block_hash, store, wait_until
@@ -157,9 +161,9 @@ def test_a_file_with_a_capacity_no_writer_gives_answers_no_probe(tmp_path):
         path = tmp_path / f"idx-{capacity}"
         header = HEADER.pack(MAGIC, capacity, 1, 0, 0).ljust(HEADER_BYTES, b"\0")
         path.write_bytes(header + bytes(records * RECORD_BYTES))
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDWR)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # as a live writer holds it
+            keep(fd)  # as a live writer holds it
             assert LookupIndexReader(path).probe([h(1)]) is None
         finally:
             os.close(fd)
@@ -365,3 +369,40 @@ def test_a_rebuild_places_colliding_hashes_where_a_probe_walks_to_them():
     # the first of a home takes it; the others wait for what 6 and 7 took in the same round
     assert placed[homes == 5].tolist() == [5, 8, 9, 10, 11, 12]
     assert placed[-1] == 30
+
+
+def test_a_live_writer_holds_the_lock_each_readers_generation_looks_for(tmp_path):
+    """A reader queries the writer's record lock (no exception, no lock taken); a client from
+    before it tries to take a shared ``flock``: both see a live writer, and neither once it
+    has gone."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=8)
+    fd = os.open(tmp_path / "idx", os.O_RDONLY)
+    try:
+        assert is_kept(fd)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        writer.close()
+        assert not is_kept(fd)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+
+
+def test_a_daemon_from_before_the_record_lock_is_probed_by_its_flock(tmp_path):
+    """A daemon from before the record lock holds only its ``flock``: a new client still
+    probes its index while it lives, and stops once it has gone."""
+    writer = LookupIndexWriter(tmp_path / "idx", blocks=8)
+    held = [h(i) for i in range(3)]
+    writer.set_all(held, HOST)
+    unlock = struct.pack("hhqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
+    fcntl.fcntl(writer._fd, fcntl.F_OFD_SETLK, unlock)  # as the old daemon never took it
+    reader = LookupIndexReader(tmp_path / "idx")
+    try:
+        assert reader.probe(held).tolist() == [HOST] * 3
+        mapped = reader._map
+        assert reader.probe(held).tolist() == [HOST] * 3
+        assert reader._map is mapped  # kept mapped, not mapped again for each probe
+        writer.close()
+        assert reader.probe(held) is None
+    finally:
+        reader.close()

@@ -8,7 +8,12 @@ It also counts the hits a lookup needs (the prefix some tier holds, the host's s
 took the caller a few more array calls. The same walk in numpy took a dozen array calls per
 round: on the 2-core VM a 1,000-hash probe, with the liveness check and packing the hashes,
 took 107 to 195 µs back to back and 445 to 459 µs after the 20 ms idle pause a paced client
-takes between requests; now 30 to 36 and 231 to 237 µs (the walk itself about 5 and 80).
+takes between requests; compiled, 30 to 36 and 231 to 237 µs (the walk itself about 5 and 80).
+After that pause everything here runs several times slower than back to back, so the probe
+makes as few calls as it can: the writer's liveness is one ``fcntl`` that neither raises nor
+takes a lock (``is_kept``; it was a lock taken, refused with an exception, 47 µs after the
+pause), and the hashes' view, the bits and the answer are one numpy call and the compiled
+loop's own.
 
 A probe reads records the daemon may be writing: a record's hash is published before its
 tier bits and never changes until the table is rebuilt, so a torn read can at worst miss a
@@ -17,11 +22,9 @@ hash, and a hit is a hint the daemon resolves again at ``Acquire``.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -38,11 +41,13 @@ from kvtier.proto.lookup_index import (
     RECORD_BYTES,
     RETIRED_AT,
     Table,
+    is_flock_kept,
+    is_kept,
 )
 
 log = logging.getLogger(__name__)
 
-_walk_table: Callable[..., tuple[int, int]] | None = None
+_walk_table: Callable[..., tuple[int, int, np.ndarray]] | None = None
 """The compiled probe (``probe_kernel.walk_table``), once its loader thread has loaded it."""
 _loader: threading.Thread | None = None
 _loader_lock = threading.Lock()
@@ -97,11 +102,15 @@ class LookupIndexReader:
         self.path = Path(path)
         self._fd: int | None = None
         self._map: mmap.mmap | None = None
-        self._table: Table | None = None
+        self._words: np.ndarray | None = None
+        self._kept: Callable[[int], bool] = is_kept
+        """How this file's writer shows it keeps the file: ``is_flock_kept`` for a daemon
+        from before the record lock."""
         self.has_remote = False
 
     def _mapped(self) -> bool:
-        if self._map is not None and not self._retired() and self._kept():
+        # The retired flag's low byte is enough: the writer sets the flag to 1.
+        if self._map is not None and not self._map[RETIRED_AT] and self._kept(self._fd):
             return True
         self.close()
         try:
@@ -110,7 +119,8 @@ class LookupIndexReader:
             return False
         self._fd = fd
         size = os.fstat(fd).st_size
-        if size < HEADER_BYTES or not self._kept():
+        self._kept = is_kept if is_kept(fd) else is_flock_kept
+        if size < HEADER_BYTES or not self._kept(fd):
             self.close()
             return False
         mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
@@ -126,20 +136,8 @@ class LookupIndexReader:
             self.close()
             return False
         self._map, self.has_remote = mapped, bool(has_remote)
-        self._table = Table(mapped, capacity)
+        self._words = Table(mapped, capacity).words
         return True
-
-    def _retired(self) -> bool:
-        return struct.unpack_from("<I", self._map, RETIRED_AT)[0] != 0
-
-    def _kept(self) -> bool:
-        """Whether a live writer still holds the file (its lock is one we cannot take)."""
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return False
 
     def probe(self, hashes: Sequence[bytes] | Iterable[bytes]) -> np.ndarray | None:
         """Each hash's tier bits (0: neither tier holds it), or None without an index."""
@@ -157,15 +155,10 @@ class LookupIndexReader:
         packed = b"".join(hashes)
         if len(packed) % HASH_BYTES:
             raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
-        want = np.frombuffer(packed, "<u8").reshape(-1, 2)
-        bits = np.zeros(len(want), np.uint8)
-        held, host = _walk_table(
-            self._table.words, self._table.tiers, want, self._table.shift, bits, prefix
-        )
-        return PrefixHits(held, host, bits)
+        return PrefixHits(*_walk_table(self._words, np.frombuffer(packed, "<u8"), prefix))
 
     def close(self) -> None:
-        self._table = None
+        self._words = None
         self._map = None
         if self._fd is not None:
             os.close(self._fd)

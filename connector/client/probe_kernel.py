@@ -9,15 +9,11 @@ import numba
 import numpy as np
 from numba import types
 
-from kvtier.proto.lookup_index import HASH_MIX, HOST, MAX_PROBES
+from kvtier.proto.lookup_index import HASH_MIX, HOST, MAX_PROBES, TIERS_WORD
 
-_WORDS = types.Array(types.uint64, 2, "C", readonly=True)
-_PROBE_SIGNATURE = types.UniTuple(types.int64, 2)(
-    _WORDS,
-    types.Array(types.uint8, 1, "A", readonly=True),
-    _WORDS,
-    types.uint64,
-    types.uint8[::1],
+_PROBE_SIGNATURE = types.Tuple((types.int64, types.int64, types.uint8[::1]))(
+    types.Array(types.uint64, 2, "C", readonly=True),
+    types.Array(types.uint64, 1, "C", readonly=True),
     types.boolean,
 )
 
@@ -34,24 +30,35 @@ def _compiled(function):
 
 
 @_compiled
-def walk_table(words, tiers, want, shift, bits, prefix):
-    """Writes each wanted hash's tier bits into ``bits`` (left 0 on a miss) and returns how
-    many hashes it walked and how many of those the host tier holds; with ``prefix`` it stops
-    at the first miss, as a lookup does. ``words`` are the table's records as 64-bit words
-    (the hash's two first), ``want`` the hashes as two words each, ``shift`` the table's
-    (``Table.shift``); a hash is mixed as the writer's ``_buckets`` mixes it. No read leaves
-    the map: a home record is below the capacity (by the shift), so is each next one (by the
-    mask), and the reader checked that the file holds that many records."""
-    mask = words.shape[0] - 1
+def walk_table(words, want, prefix):
+    """Each wanted hash's tier bits (0 on a miss), how many hashes it walked and how many of
+    those the host tier holds; with ``prefix`` it stops at the first miss, as a lookup does.
+    ``words`` are the table's records as 64-bit words (the hash's two first, the tier bits the
+    low byte of ``TIERS_WORD``), ``want`` the hashes as two words each; a hash is mixed as the
+    writer's ``_buckets`` mixes it. No read leaves the map: a home record is below the
+    capacity (a power of two, by the shift), so is each next one (by the mask), and the reader
+    checked that the file holds that many records.
+
+    The whole lookup is this one call, its few arguments and its answer made here: on a VM a
+    process that slept runs its first few hundred microseconds several times slower, and each
+    numpy call or argument a paced client's lookup makes costs tens of microseconds then."""
+    capacity = words.shape[0]
+    mask = capacity - 1
+    shift = np.uint64(64)
+    while capacity > 1:
+        capacity >>= 1
+        shift -= np.uint64(1)
     mix = np.uint64(HASH_MIX)
+    count = want.shape[0] // 2
+    bits = np.zeros(count, np.uint8)
     host = 0
-    for i in range(want.shape[0]):
-        low, high = want[i, 0], want[i, 1]
+    for i in range(count):
+        low, high = want[2 * i], want[2 * i + 1]
         record = np.int64(((low ^ (high * mix)) * mix) >> shift)
         for _ in range(MAX_PROBES):
             first, second = words[record, 0], words[record, 1]
             if first == low and second == high:
-                bits[i] = tiers[record]
+                bits[i] = words[record, TIERS_WORD] & 0xFF
                 break
             if first == 0 and second == 0:
                 break
@@ -59,5 +66,5 @@ def walk_table(words, tiers, want, shift, bits, prefix):
         if bits[i] & HOST:
             host += 1
         elif prefix and not bits[i]:
-            return i, host
-    return want.shape[0], host
+            return i, host, bits
+    return count, host, bits
