@@ -133,14 +133,13 @@ def index_path(socket: str | os.PathLike[str], layout_signature: bytes) -> Path:
 
 class Table:
     """Views of a mapped table: its records as four 64-bit words each (the hash's two
-    first), and each record's tier bits; ``shift`` makes a mixed hash a record number."""
+    first), and each record's tier bits."""
 
     def __init__(self, mapped: mmap.mmap, capacity: int):
         records = np.frombuffer(mapped, np.uint8, capacity * RECORD_BYTES, HEADER_BYTES)
         self.words = np.ndarray((capacity, RECORD_BYTES // 8), "<u8", mapped, HEADER_BYTES)
         self.tiers = records.reshape(capacity, RECORD_BYTES)[:, _TIERS_AT]
         self.capacity = capacity
-        self.shift = np.uint64(_shift_for(capacity))
 
 
 def _place(homes: np.ndarray, capacity: int) -> np.ndarray:
