@@ -41,14 +41,30 @@ class StreamError(grpc.RpcError):
 
 
 class OpFuture:
-    """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``."""
+    """An operation's answer to come; offers what ``LaterCalls`` uses of a ``grpc.Future``.
 
-    __slots__ = ("_callbacks", "_cancelled", "_done", "_error", "_lock", "_reply", "carrier")
+    A waiter blocks on one lock that ``finish`` releases once (each waiter lets the next
+    through), not on an ``Event``: an event's waiter wakes only to wait again for the lock
+    of the condition its setter still holds, a second hand-off between the two threads on
+    every answer."""
+
+    __slots__ = (
+        "_callbacks",
+        "_cancelled",
+        "_done",
+        "_error",
+        "_lock",
+        "_reply",
+        "_waiter",
+        "carrier",
+    )
 
     def __init__(self, carrier: PendingOps | None = None):
         self.carrier = carrier
         """The ``PendingOps`` of the stream or channel the operation went over."""
-        self._done = threading.Event()
+        self._waiter = threading.Lock()
+        self._waiter.acquire()  # held until ``finish``
+        self._done = False
         self._reply = None
         self._error: grpc.RpcError | None = None
         self._callbacks: list[Callable[[OpFuture], None]] = []
@@ -60,30 +76,39 @@ class OpFuture:
         return self._cancelled
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def cancel(self) -> bool:
         """Stops waiting for the answer, as a cancelled call does; False if it came already."""
-        if self._done.is_set():
+        if self._done:
             return False
         self.finish(error=StreamError(grpc.StatusCode.CANCELLED, "cancelled"), cancelled=True)
         return True
 
     def result(self, timeout: float | None = None):
-        if not self._done.wait(timeout):
+        if not self._wait(timeout):
             raise grpc.FutureTimeoutError()
         if self._error is not None:
             raise self._error
         return self._reply
 
     def exception(self, timeout: float | None = None) -> grpc.RpcError | None:
-        if not self._done.wait(timeout):
+        if not self._wait(timeout):
             raise grpc.FutureTimeoutError()
         return self._error
 
+    def _wait(self, timeout: float | None) -> bool:
+        """Whether the answer came within ``timeout`` seconds (None: however long)."""
+        if self._done:
+            return True
+        if self._waiter.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._waiter.release()
+            return True
+        return self._done
+
     def add_done_callback(self, callback: Callable[[OpFuture], None]) -> None:
         with self._lock:
-            if not self._done.is_set():
+            if not self._done:
                 self._callbacks.append(callback)
                 return
         callback(self)
@@ -92,11 +117,12 @@ class OpFuture:
         self, reply: object = None, error: grpc.RpcError | None = None, cancelled: bool = False
     ) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._done:
                 return
             self._reply, self._error, self._cancelled = reply, error, cancelled
-            self._done.set()
+            self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        self._waiter.release()
         for callback in callbacks:
             callback(self)
 
