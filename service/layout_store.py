@@ -281,28 +281,26 @@ class LayoutStore:
             batch = self.disk.scan(after, INDEX_SCAN_BATCH)
             if not batch:
                 return
-            for block_hash, _ in batch:
-                self.index.set(block_hash, INDEX_DISK)
+            self.index.set_all([block_hash for block_hash, _ in batch], INDEX_DISK)
             after = batch[-1][0]
 
     def _host_event(self, kind: str, blocks: list[tuple[bytes, bytes]]) -> None:
-        if self.index is not None:
-            change = self.index.set_all if kind == STORED else self.index.clear_all
-            change([block_hash for block_hash, _ in blocks], INDEX_HOST)
+        self._indexed(kind, [block_hash for block_hash, _ in blocks], INDEX_HOST)
         for block_hash, meta in blocks:
             self.events.emit(kind, HOST, block_hash, meta, self.signature)
 
     def _disk_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
-        self._indexed(kind, block_hash, INDEX_DISK)
+        self._indexed(kind, [block_hash], INDEX_DISK)
         self.events.emit(kind, DISK, block_hash, meta, self.signature)
 
-    def _indexed(self, kind: str, block_hash: bytes, tier: int) -> None:
+    def _indexed(self, kind: str, hashes: list[bytes], tier: int) -> None:
+        """Sets or clears ``tier``'s bit of each hash in the lookup index, under one lock."""
         if self.index is None:
             return
         if kind == STORED:
-            self.index.set(block_hash, tier)
+            self.index.set_all(hashes, tier)
         else:
-            self.index.clear(block_hash, tier)
+            self.index.clear_all(hashes, tier)
 
     def _remote_event(self, kind: str, block_hash: bytes, meta: bytes) -> None:
         self.events.emit(kind, REMOTE, block_hash, meta, self.signature)

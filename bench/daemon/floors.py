@@ -68,8 +68,7 @@ def idle_floors(hashes: int) -> dict[str, float]:
         reader = LookupIndexReader(path)
         try:
             held = hashes_for(hashes)
-            for block_hash in held:
-                writer.set(block_hash, HOST)
+            writer.set_all(held, HOST)
             figures.update(_hot_and_idle("index_probe", lambda: reader.probe_prefix(held)))
         finally:
             reader.close()
