@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from kvtier.tiers.gpu.cpu_copy import copy_rows
@@ -108,6 +109,24 @@ def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple
             os.unlink(path)
     moved = count * chunk
     return moved / write_s / GB, moved / read_s / GB, how
+
+
+def read_slots(path: str, rows: np.ndarray, stride: int) -> float:
+    """Seconds to read slot ``i`` (``stride`` bytes apart) of the file at ``path`` into
+    ``rows[i]``, in order, with O_DIRECT (through the page cache where the filesystem refuses
+    it): the raw read of a tier's own bytes. ``rows``' rows are page-aligned."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        start = time.perf_counter()
+        for i, row in enumerate(rows):
+            if os.preadv(fd, [row], i * stride) != row.nbytes:
+                raise OSError(f"{path}: a short read of slot {i}")
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -18,6 +18,7 @@ KEYS = {
     "memcpy_gbps",
     "disk_raw_write_gbps",
     "disk_raw_read_gbps",
+    "disk_raw_read_fresh_gbps",
     "host_store_gbps",
     "host_load_gbps",
     "disk_write_gbps",
@@ -67,12 +68,13 @@ def test_bench_tiers_runs_the_tiers_under_the_daemons_switch_interval(tmp_path, 
 def test_each_disk_round_sets_the_tier_against_the_raw_disk_just_before_and_after(
     tmp_path, monkeypatch
 ):
-    """The virtual disk drifts between one second and the next: a round's ratio is to the
-    mean of the raw limits measured around its tier run, and each figure is the median of
-    the rounds, not one run set against another measured earlier."""
+    """The virtual disk drifts between one second and the next: a round's write ratios are
+    to the mean of the raw writes measured around its tier run, its read ratio to the raw
+    read of the tier's own slots in that run, and each figure is the median of the rounds,
+    not one run set against another measured earlier."""
     order = []
     raws = iter([(1.0, 4.0), (3.0, 2.0), (2.0, 1.0), (2.0, 1.0), (3.0, 3.0), (5.0, 1.0)])
-    tier_rates = iter([(1.0, 1.5), (1.5, 0.75), (3.6, 1.0)])
+    tier_rates = iter([(1.0, 1.5, 3.0), (1.5, 0.75, 1.0), (3.6, 1.0, 2.0)])
 
     def raw(directory, num_bytes):
         order.append("raw")
@@ -89,13 +91,38 @@ def test_each_disk_round_sets_the_tier_against_the_raw_disk_just_before_and_afte
     figures = tiers.disk_figures(str(tmp_path), torch.zeros(2, 8, dtype=torch.uint8))
     assert order == ["raw", "tier", "raw"] * 3
     assert list(tmp_path.iterdir()) == []  # each round's scratch directory is gone
-    # the rounds' limits (write, read): (2, 3), (2, 1), (4, 2)
+    # the rounds' write limits 2, 2, 4; their own files' reads 3, 1, 2
     assert figures["disk_raw_write_gbps"] == 2.0
-    assert figures["disk_raw_read_gbps"] == 2.0
+    assert figures["disk_raw_read_gbps"] == 2.0  # the tier's slots read raw: 3, 1, 2
+    assert figures["disk_raw_read_fresh_gbps"] == 2.0
     assert figures["disk_write_gbps"] == 1.5
     assert figures["disk_write_ratio"] == 0.75  # median of 1/2, 1.5/2, 3.6/4
     assert figures["disk_read_ratio"] == 0.5  # median of 1.5/3, 0.75/1, 1/2
     assert figures["disk_write_behind_ratio"] == 0.5  # median of 1/2, 1/2, 1/4
+
+
+def test_the_cold_reads_limit_reads_the_tiers_own_slots_into_the_same_memory(tmp_path, monkeypatch):
+    """A raw file written just before its read ran at up to 2.9 GB/s on the VM where the
+    tier's data file, read by the same loop into the same rows, ran at 1.0 to 1.7: the cold
+    read's limit is a raw read of the tier's own slots, into the rows it read them into."""
+    read_into, raw_into = [], []
+    real_get, real_read = tiers.DiskTier.get_into, tiers.read_slots
+
+    def get_into(self, block_hash, out):
+        read_into.append(out.ctypes.data)
+        return real_get(self, block_hash, out)
+
+    def read_slots(path, rows, stride):
+        raw_into.extend(row.ctypes.data for row in rows)
+        assert os.path.basename(path) == tiers.DATA_FILE
+        return real_read(path, rows, stride)
+
+    monkeypatch.setattr(tiers.DiskTier, "get_into", get_into)
+    monkeypatch.setattr(tiers, "read_slots", read_slots)
+    blocks = torch.randint(0, 256, (4, 1 << 16), dtype=torch.uint8)
+    rates = tiers.disk_rates(str(tmp_path / "tier"), blocks)
+    assert len(rates) == 3 and min(rates) > 0
+    assert raw_into == read_into and len(set(read_into)) == 4
 
 
 def test_the_raw_disk_limit_moves_each_chunk_through_memory_of_its_own(tmp_path, monkeypatch):
@@ -137,6 +164,5 @@ def test_cold_reads_land_in_memory_holding_bytes_as_the_raw_limits_memory_does(
 
     monkeypatch.setattr(tiers.DiskTier, "get_into", get_into)
     blocks = torch.randint(0, 256, (4, 1 << 16), dtype=torch.uint8)
-    write_gbps, read_gbps = tiers.disk_rates(str(tmp_path / "tier"), blocks)
-    assert write_gbps > 0 and read_gbps > 0
+    assert min(tiers.disk_rates(str(tmp_path / "tier"), blocks)) > 0
     assert zeroed_before_read == [False] * 4
