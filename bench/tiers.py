@@ -100,7 +100,7 @@ def disk_rates(directory: str, blocks: torch.Tensor) -> tuple[float, float, floa
     The raw limit from a file of its own (``raw_disk_gbps``) reads bytes written moments
     before, and on the 2-core VM's virtual disk that file read at 1.2 to 2.9 GB/s by the
     run, where the tier's data file, read by the same loop into the same memory, ran at
-    1.0 to 1.7 and the tier's reads at 0.9 to 1.0 of that loop (six rounds). So the cold
+    1.0 to 1.7 and the tier's reads at 0.85 to 1.1 of that loop (six rounds). So the cold
     read is set against a raw read of its own bytes: what is left is the tier's own work.
     """
     n, block_bytes = blocks.shape

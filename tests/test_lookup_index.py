@@ -416,7 +416,7 @@ def test_a_reader_asks_after_its_writer_at_most_once_per_recheck_interval(tmp_pa
     a reader trusts a live writer for ``WRITER_RECHECK_S``, then asks again, and a writer
     gone by then ends the probes."""
     now = [100.0]
-    monkeypatch.setattr(index_reader.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(index_reader, "_clock", lambda: now[0])
     writer = LookupIndexWriter(tmp_path / "idx", blocks=8)
     held = [h(i) for i in range(3)]
     writer.set_all(held, HOST)

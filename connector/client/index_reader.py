@@ -54,6 +54,7 @@ WRITER_RECHECK_S = 0.1
 meanwhile leaves at most that long of hints its clients then fail to ``Acquire`` (counted
 misses, never a wrong block), as a death just after any probe does; its session's end stops
 the client's probes too. A retired index is seen at once (a flag in the mapped header)."""
+_clock = time.monotonic
 
 _walk_table: Callable[..., tuple[int, int, np.ndarray]] | None = None
 """The compiled probe (``probe_kernel.walk_table``), once its loader thread has loaded it."""
@@ -115,7 +116,7 @@ class LookupIndexReader:
         """How this file's writer shows it keeps the file: ``is_flock_kept`` for a daemon
         from before the record lock."""
         self._kept_at = -WRITER_RECHECK_S
-        """When ``_kept`` last found the writer alive (``time.monotonic``)."""
+        """When ``_kept`` last found the writer alive (``_clock``)."""
         self.has_remote = False
 
     def _mapped(self) -> bool:
@@ -147,12 +148,12 @@ class LookupIndexReader:
             return False
         self._map, self.has_remote = mapped, bool(has_remote)
         self._words = Table(mapped, capacity).words
-        self._kept_at = time.monotonic()
+        self._kept_at = _clock()
         return True
 
     def _writer_lives(self) -> bool:
         """Whether the mapped file's writer lives, asked at most every ``WRITER_RECHECK_S``."""
-        now = time.monotonic()
+        now = _clock()
         if now - self._kept_at < WRITER_RECHECK_S:
             return True
         if not self._kept(self._fd):
