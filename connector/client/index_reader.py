@@ -177,7 +177,7 @@ class LookupIndexReader:
         packed = b"".join(hashes)
         if len(packed) % HASH_BYTES:
             raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
-        return PrefixHits(*_walk_table(self._words, np.frombuffer(packed, "<u8"), prefix))
+        return PrefixHits(*_walk_table(self._words, packed, prefix))
 
     def close(self) -> None:
         self._words = None
