@@ -49,11 +49,13 @@ from kvtier.proto.lookup_index import (
 
 log = logging.getLogger(__name__)
 
-WRITER_RECHECK_S = 0.1
-"""How long a reader trusts its last finding that the index's writer lives. A daemon that dies
-meanwhile leaves at most that long of hints its clients then fail to ``Acquire`` (counted
-misses, never a wrong block), as a death just after any probe does; its session's end stops
-the client's probes too. A retired index is seen at once (a flag in the mapped header)."""
+WRITER_RECHECK_S = 1.0
+"""How long a reader trusts its last finding that the index's writer lives. The check is a
+backstop: a daemon that dies ends its sessions' streams, and a client without a session
+probes nothing. Between a death and its client noticing, a probe may give hints that the
+``Acquire`` then fails (counted misses, never a wrong block), as a death just after any probe
+does. A paced engine that looks up every 0.2 s would pay the check on every lookup at 0.1 s.
+A retired index is seen at once (a flag in the mapped header)."""
 _clock = time.monotonic
 
 _walk_table: Callable[..., tuple[int, int, np.ndarray]] | None = None
