@@ -6,7 +6,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -93,13 +93,7 @@ def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple
         write_s = time.perf_counter() - start
         os.close(fd)
         drop_page_cache(path)
-        fd = os.open(path, os.O_RDONLY | (direct if how == "O_DIRECT" else 0))
-        start = time.perf_counter()
-        for piece in pieces:
-            if os.readv(fd, [piece]) != chunk:
-                raise OSError(f"{path}: a short read")
-        read_s = time.perf_counter() - start
-        os.close(fd)
+        read_s = read_slots(path, pieces, chunk)
     finally:
         for piece in pieces:
             piece.release()
@@ -111,10 +105,11 @@ def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple
     return moved / write_s / GB, moved / read_s / GB, how
 
 
-def read_slots(path: str, rows: np.ndarray, stride: int) -> float:
+def read_slots(path: str, rows: Sequence[memoryview] | np.ndarray, stride: int) -> float:
     """Seconds to read slot ``i`` (``stride`` bytes apart) of the file at ``path`` into
     ``rows[i]``, in order, with O_DIRECT (through the page cache where the filesystem refuses
-    it): the raw read of a tier's own bytes. ``rows``' rows are page-aligned."""
+    it): the raw read limit's, and the raw read of a tier's own bytes. ``rows`` are
+    page-aligned writable buffers."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:

@@ -130,18 +130,18 @@ def test_the_raw_disk_limit_moves_each_chunk_through_memory_of_its_own(tmp_path,
     one reused buffer ran a third faster on the VM's virtual disk than into distinct ones,
     a limit no tier could reach."""
     written, read = [], []
-    real_write, real_readv = os.write, os.readv
+    real_write, real_preadv = os.write, os.preadv
 
     def write(fd, data):
         written.append(ctypes.addressof(ctypes.c_char.from_buffer(data)))
         return real_write(fd, data)
 
-    def readv(fd, buffers):
+    def preadv(fd, buffers, offset):
         read.append(ctypes.addressof(ctypes.c_char.from_buffer(buffers[0])))
-        return real_readv(fd, buffers)
+        return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "write", write)
-    monkeypatch.setattr(os, "readv", readv)
+    monkeypatch.setattr(os, "preadv", preadv)
     write_gbps, read_gbps, _ = raw_disk_gbps(str(tmp_path), 4 << 16, chunk=1 << 16)
     assert write_gbps > 0 and read_gbps > 0
     assert len(set(written)) == len(written) == 4

@@ -24,6 +24,7 @@ hash, and a hit is a hint the daemon resolves again at ``Acquire``.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import threading
@@ -117,7 +118,7 @@ class LookupIndexReader:
         self._kept: Callable[[int], bool] = is_kept
         """How this file's writer shows it keeps the file: ``is_flock_kept`` for a daemon
         from before the record lock."""
-        self._kept_at = -WRITER_RECHECK_S
+        self._kept_at = -math.inf
         """When ``_kept`` last found the writer alive (``_clock``)."""
         self.has_remote = False
 
@@ -184,7 +185,7 @@ class LookupIndexReader:
     def close(self) -> None:
         self._words = None
         self._map = None
-        self._kept_at = -WRITER_RECHECK_S
+        self._kept_at = -math.inf
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -167,7 +167,7 @@ class HostTier:
         resident: list[tuple[BlockHash, int]] = []
         with self._lock:
             index, state = self._slots.index, self._slots.state
-            for h in hashes:  # ``ready_slot`` inlined: a notice of 1,000 hits took 0.5 ms, now 0.3
+            for h in hashes:  # ``ready_slot`` inlined: small notices run here on the event loop
                 slot = index.get(h)
                 if slot is None or state[slot] != READY:
                     if self._below:
