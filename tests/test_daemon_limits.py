@@ -140,10 +140,10 @@ def test_a_block_whose_disk_write_is_in_flight_is_a_host_hit(make_daemon, tmp_pa
     writing, go_on = threading.Event(), threading.Event()
     process = disk_writer.DiskWriter._process
 
-    def held_process(self, batch):
+    def held_process(self, batch, sealed):
         writing.set()
         go_on.wait(60)
-        process(self, batch)
+        process(self, batch, sealed)
 
     monkeypatch.setattr(disk_writer.DiskWriter, "_process", held_process)
     daemon = make_daemon(host_bytes=8 * BLOCK, disk_bytes=64 * BLOCK, data_dir=tmp_path)

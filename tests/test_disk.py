@@ -16,6 +16,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.tiers.disk.commit import STAGED_BATCHES
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 
 from diskutil import BLOCK, SIG, block, key, read, tier
@@ -288,14 +289,19 @@ def test_matches_an_lru_model(capacity, ops):
 def test_budget_change_on_reopen_grows_or_shrinks_the_data_file(tmp_path):
     stride = -(-BLOCK // 4096) * 4096
     data_file = tmp_path / DATA_FILE
+
+    def slots(capacity: int) -> int:
+        """The budget and the spares: two batches (a batch is an eighth of the budget here)."""
+        return capacity + STAGED_BATCHES * max(1, capacity // 8)
+
     with tier(tmp_path, capacity_blocks=8) as t:
         for i in range(8):
             t.put(key(i), block(i))
             t.flush()
         assert read(t, 0) is not None  # order, oldest first: 1..7, 0
-    assert data_file.stat().st_size == (8 + 1) * stride
+    assert data_file.stat().st_size == slots(8) * stride
     with tier(tmp_path, capacity_blocks=16) as t:  # grows: everything stays
-        assert data_file.stat().st_size == (16 + 2) * stride
+        assert data_file.stat().st_size == slots(16) * stride
         assert len(t) == 8 and t.counters.capacity_blocks == 16
         for i in range(8, 16):
             t.put(key(i), block(i))
@@ -304,7 +310,7 @@ def test_budget_change_on_reopen_grows_or_shrinks_the_data_file(tmp_path):
         for i in range(16):
             assert read(t, i) is not None  # order now 0..15
     with tier(tmp_path, capacity_blocks=3) as t:  # shrinks: the 3 newest move below the end
-        assert data_file.stat().st_size == (3 + 1) * stride
+        assert data_file.stat().st_size == slots(3) * stride
         assert [i for i in range(16) if t.contains(key(i))] == [13, 14, 15]
         assert t.counters.blocks_evicted == 13 and t.counters.checksum_failures == 0
         for i in (13, 14, 15):

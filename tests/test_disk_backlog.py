@@ -36,9 +36,9 @@ def held_writer(monkeypatch) -> threading.Event:
     release = threading.Event()
     process = DiskWriter._process
 
-    def held(self, batch):
+    def held(self, batch, sealed):
         release.wait()
-        process(self, batch)
+        process(self, batch, sealed)
 
     monkeypatch.setattr(DiskWriter, "_process", held)
     return release

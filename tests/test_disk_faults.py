@@ -162,7 +162,7 @@ def test_failed_data_write_stores_nothing_and_leaks_no_slot(tmp_path, monkeypatc
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_flush_raises_once_the_writer_is_gone(tmp_path, monkeypatch):
-    def killed(self, batch):
+    def killed(self, batch, sealed):
         raise SystemExit  # ends the writer thread, as no Exception would
 
     with tier(tmp_path) as t:

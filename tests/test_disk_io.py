@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.disk import slots as disk_slots
+from kvtier.tiers.disk.commit import STAGED_BATCHES
+from kvtier.tiers.disk.recovery import plan
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 
 from diskutil import BLOCK, SIG, block, key, read, tier, used_slots
@@ -37,7 +39,8 @@ def test_data_file_uses_o_direct_where_the_filesystem_allows(tmp_path):
         t.flush()
         assert np.array_equal(read(t, 0), block(0))
     stride = -(-BLOCK // 4096) * 4096
-    assert (tmp_path / DATA_FILE).stat().st_size == (64 + 8) * stride  # budget + spare batch
+    # the budget and the spares: two batches (a batch is an eighth of the budget here)
+    assert (tmp_path / DATA_FILE).stat().st_size == (64 + 8 + 8) * stride
     assert os.path.getsize(tmp_path / "data.mdb") < 1 << 20  # no payload in LMDB
 
 
@@ -112,4 +115,5 @@ def test_slot_reuse_under_concurrent_readers(tmp_path, monkeypatch, direct):
         assert not errors, errors
         assert hits[0] > 0 and t.counters.checksum_failures == 0
         assert t.counters.blocks_evicted == count - capacity
-        assert sorted(t._s.table._free) == sorted(set(range(capacity + 1)) - used_slots(t))
+        total = capacity + STAGED_BATCHES * plan(BLOCK, capacity * BLOCK, None)[1]  # + spares
+        assert sorted(t._s.table._free) == sorted(set(range(total)) - used_slots(t))

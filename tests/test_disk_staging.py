@@ -1,15 +1,19 @@
 """The disk tier's writer puts a batch's payloads on the device as the stores arrive, while the
-batch still gathers: the device works while callers store, and only the commit waits."""
+batch still gathers: the device works while callers store, and only the commit waits; and
+the next batch is written while a commit waits."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import replace
 
 import numpy as np
 
 from kvtier.tiers.disk import writer
+from kvtier.tiers.disk.commit import STAGED_BATCHES, BatchCommitter
+from kvtier.tiers.disk.recovery import plan
 from kvtier.tiers.disk.slots import slot_stride
 from kvtier.tiers.disk.tier import DATA_FILE, DiskTier
 from kvtier.tiers.tunables import TUNABLES
@@ -65,3 +69,35 @@ def test_slots_staged_ahead_of_the_commit_come_from_the_spares(tmp_path):
         out = np.empty(BLOCK, np.uint8)
         newest = range(4 * capacity, 5 * capacity)
         assert all(t.get_into(key(i), out) and np.array_equal(out, block(i)) for i in newest)
+
+
+def test_the_next_batch_is_written_while_a_commit_waits(tmp_path, monkeypatch):
+    """A batch commits on a thread of its own: while its commit waits (for the device, in its
+    syncs), the writer gathers and writes the next batch, so the device does not idle."""
+    committing, release = threading.Event(), threading.Event()
+    commit = BatchCommitter.commit
+
+    def held_commit(self, ops, batch):
+        committing.set()
+        release.wait(120)
+        return commit(self, ops, batch)
+
+    monkeypatch.setattr(BatchCommitter, "commit", held_commit)
+    capacity = 64  # batches of 8 stores
+    batch = plan(BLOCK, capacity * BLOCK, None)[1]
+    with DiskTier(tmp_path, SIG, BLOCK, capacity * BLOCK, sync=False) as t:
+        for i in range(2 * batch):
+            t.put(key(i), block(i))
+        try:
+            assert committing.wait(60)
+            wanted = {block(i).tobytes() for i in range(2 * batch)}
+            slots = STAGED_BATCHES * batch
+            wait_until(lambda: wanted <= slot_contents(tmp_path, slots), "both batches written")
+            assert t.counters.blocks_stored == 0  # the first commit still waits
+        finally:
+            release.set()
+        t.flush()
+        assert t.counters.blocks_stored == 2 * batch
+        out = np.empty(BLOCK, np.uint8)
+        for i in range(2 * batch):
+            assert t.get_into(key(i), out) and np.array_equal(out, block(i))

@@ -82,7 +82,7 @@ def test_write_behind_writes_from_the_callers_buffer_or_a_bounce(tmp_path, monke
             assert t.contains(key(i))  # readable at once, before the commit
         t.flush()
         assert outcomes.calls == {i: [True] for i in range(4)}
-        assert outcomes.threads == {"kvtier-disk-writer"}
+        assert outcomes.threads == {"kvtier-disk-commit_0"}  # the tier's, not the caller's
         addresses = {row.ctypes.data for row in rows}
         if offset == 0 or not t._s.slots.direct:  # the page cache takes any address
             assert set(written) == addresses  # no copy anywhere

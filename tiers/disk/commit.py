@@ -4,9 +4,12 @@ A batch's payloads go into free slots as its stores arrive (``stage``), while th
 gathers, so that the device writes while the callers produce rather than after; they are made
 durable (``fdatasync``) inside the transaction, before it commits, so an entry never names bytes
 that are not on the device. Evictions ride in the same commit, and the slots they free are
-reused only by a later batch. A borrowed payload (``write_behind``) is written straight from the
-caller's buffer when the data file can take it as it is (whole pages, page-aligned under
-``O_DIRECT``), else through a pooled bounce buffer filled here, on the writer thread.
+reused only by a later batch. A batch is sealed (``seal``) when it closes and committed on
+a thread of its own, while the next batch stages into spare slots kept for it: the device
+keeps writing through a commit's syncs. A borrowed payload (``write_behind``) is written
+straight from the caller's buffer when the data file can take it as it is (whole pages,
+page-aligned under ``O_DIRECT``), else through a pooled bounce buffer filled here, on the
+writer thread.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ Event = tuple[str, bytes, bytes]
 
 Staged = tuple[int, int, bytes]
 """(slot, checksum, meta) of a store whose payload is written and whose entry waits."""
+
+
+STAGED_BATCHES = 2
+"""Batches whose payloads may hold slots at once: one committing, the next staging. The
+disk tier keeps that many batches of spare slots."""
 
 
 class Pending:
@@ -86,6 +94,8 @@ class DiskState:
     block_bytes: int
     index: BlockIndex
     slots: SlotFile
+    total_slots: int
+    """The data file's slots: the budget and the spares (``recovery.plan``)."""
     table: SlotTable
     pool: BufferPool
     lock: threading.Lock
@@ -111,6 +121,16 @@ class DiskState:
         return True
 
 
+@dataclass(eq=False, slots=True)
+class StagedBatch:
+    """One batch's payloads on their way to the device: each store's slot, checksum and meta,
+    the writes in flight with the bounce buffers they read, and the first write failure."""
+
+    stores: dict[bytes, Staged] = field(default_factory=dict)
+    writes: list[tuple[Future[None], list[Any]]] = field(default_factory=list)
+    error: OSError | None = None
+
+
 class BatchCommitter:
     """Applies batches of queued operations to the index and the data file."""
 
@@ -127,12 +147,10 @@ class BatchCommitter:
         self._block_bytes = state.block_bytes
         self._capacity_blocks = capacity_blocks
         self._sync = sync
-        self._staged: dict[bytes, Staged] = {}
-        self._error: OSError | None = None  # the staged batch's first write failure
+        self._open = StagedBatch()
         # One thread writes payloads, in the order staged, so the device works while the
-        # writer thread checksums and gathers; the writer waits for them before it syncs.
+        # writer thread checksums and gathers; a batch's commit waits for them before it syncs.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-io")
-        self._in_flight: list[tuple[Future[None], list[Any]]] = []
 
     def stage(self, stores: dict[bytes, Pending]) -> None:
         """Starts writing the payloads of ``stores`` (pending blocks of PUTs just taken from
@@ -143,54 +161,60 @@ class BatchCommitter:
         while this thread checksums the same blocks and goes back to the queue. An I/O error
         fails the whole batch at its commit; nothing more of that batch is written.
         """
-        if self._error is not None:
+        batch = self._open
+        if batch.error is not None:
             return
         writes: list[tuple[int, memoryview]] = []
         bounces: list[Any] = []
         staged: list[tuple[bytes, Pending]] = []
         try:
             for block_hash, pending in stores.items():
-                if block_hash in self._staged:
+                if block_hash in batch.stores:
                     continue
                 view, bounce = self._payload(pending)
                 if bounce is not None:
                     bounces.append(bounce)
                 slot = self._table.take()
-                self._staged[block_hash] = (slot, 0, pending.meta)
+                batch.stores[block_hash] = (slot, 0, pending.meta)
                 staged.append((block_hash, pending))
                 writes.append((slot, view))
         except OSError as exc:
-            self._error = exc
+            batch.error = exc
         if writes or bounces:
-            self._in_flight.append((self._io.submit(self._slots.write, writes), bounces))
+            batch.writes.append((self._io.submit(self._slots.write, writes), bounces))
         del writes  # the I/O thread holds the views until its write is done
         for block_hash, pending in staged:
-            slot, _, meta = self._staged[block_hash]
-            self._staged[block_hash] = (slot, xxhash.xxh3_64_intdigest(pending.data), meta)
+            slot, _, meta = batch.stores[block_hash]
+            batch.stores[block_hash] = (slot, xxhash.xxh3_64_intdigest(pending.data), meta)
+
+    def seal(self, stores: dict[bytes, Pending]) -> StagedBatch:
+        """Stages what is left of a batch's stores and closes it: what is staged after this
+        belongs to the next batch, whose writes may then run while this one commits."""
+        self.stage(stores)
+        batch, self._open = self._open, StagedBatch()
+        return batch
 
     def close(self) -> None:
         """Waits for the writes in flight and stops the I/O thread (the writer's last act)."""
-        self._wait_writes()
+        self._wait_writes(self._open)
         self._io.shutdown()
 
-    def _wait_writes(self) -> None:
-        """Waits for every payload write started; the first failure fails the batch."""
-        for write, bounces in self._in_flight:
+    def _wait_writes(self, batch: StagedBatch) -> None:
+        """Waits for the batch's payload writes; the first failure fails the batch."""
+        for write, bounces in batch.writes:
             try:
                 write.result()
             except OSError as exc:
-                self._error = self._error or exc
+                batch.error = batch.error or exc
             finally:
                 for buf in bounces:
                     self._pool.release(buf)
-        self._in_flight.clear()
+        batch.writes.clear()
 
-    def commit(
-        self, ops: list[tuple[int, Any]], stores: dict[bytes, Pending]
-    ) -> tuple[list[Event], bool]:
+    def commit(self, ops: list[tuple[int, Any]], batch: StagedBatch) -> tuple[list[Event], bool]:
         """Writes ``ops`` in one transaction; returns the events to report and whether the
-        batch's stores (``stores``: the pending blocks of its PUTs, staged or not yet) were
-        committed.
+        stores that ``batch`` staged (``seal``: all of the ops' stores) were committed. Call
+        from one thread only (LMDB's rule for write transactions).
 
         A full map (a reader pinning an old snapshot keeps freed pages from reuse) is answered
         by evicting the oldest blocks in a commit of their own and trying again. LMDB reuses
@@ -198,14 +222,12 @@ class BatchCommitter:
         left to evict one marker commit goes first. If even that finds no room, the batch is
         given up (its stores fail, logged), never raised. I/O errors are raised.
         """
-        self.stage(stores)
-        self._wait_writes()
-        staged, error = self._staged, self._error
-        self._staged, self._error = {}, None
+        self._wait_writes(batch)
+        staged = batch.stores
         taken: list[int] = []
         try:
-            if error is not None:
-                raise error
+            if batch.error is not None:
+                raise batch.error
             events, ok = self._commit_staged(ops, staged, taken)
         except BaseException:
             self._table.free(slot for slot, _, _ in staged.values())

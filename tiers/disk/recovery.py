@@ -20,7 +20,7 @@ import lmdb
 import xxhash
 
 from kvtier.tiers.counters import TierCounters
-from kvtier.tiers.disk.commit import DiskState
+from kvtier.tiers.disk.commit import STAGED_BATCHES, DiskState
 from kvtier.tiers.disk.directory import TierDirectory, is_damage
 from kvtier.tiers.disk.index import BlockIndex, Entry
 from kvtier.tiers.disk.slots import DATA_FILE, BufferPool, SlotFile, SlotTable, slot_stride
@@ -38,7 +38,9 @@ _MAP_SLACK = 256 << 10
 
 
 def plan(block_bytes: int, capacity_bytes: int, map_size: int | None) -> tuple[int, int, int]:
-    """Returns (budget in blocks, most puts per batch = spare slots, map size in bytes)."""
+    """Returns (budget in blocks, most puts per batch, map size in bytes). The data file has
+    ``STAGED_BATCHES`` batches of spare slots: a batch's payloads go into slots no entry names
+    before its commit frees any, while the batch before it may still hold its own."""
     capacity = capacity_bytes // block_bytes
     if map_size is not None:
         capacity = min(capacity, (map_size - _MAP_SLACK) // _INDEX_BYTES)
@@ -72,7 +74,7 @@ def open_state(
     signature: bytes,
     block_bytes: int,
     capacity_blocks: int,
-    spare_slots: int,
+    batch_blocks: int,
     open_index: Callable[[str], BlockIndex],
     counters: TierCounters,
 ) -> DiskState:
@@ -81,9 +83,9 @@ def open_state(
     the tier starts empty. Returns the tier's shared state, ``counters`` set to what recovery
     found.
     """
-    total_slots = capacity_blocks + spare_slots
+    total_slots = capacity_blocks + STAGED_BATCHES * batch_blocks  # the spares: ``plan``
     pool = BufferPool(
-        slot_stride(block_bytes), min(total_slots, TUNABLES.disk_pool_batches * spare_slots)
+        slot_stride(block_bytes), min(total_slots, TUNABLES.disk_pool_batches * batch_blocks)
     )
 
     def attempt() -> tuple[BlockIndex, SlotFile, Recovered]:
@@ -137,6 +139,7 @@ def open_state(
         block_bytes,
         index,
         slots,
+        total_slots,
         table,
         pool,
         lock,

@@ -3,7 +3,7 @@ LRU.
 
 The pieces: ``slots`` (the preallocated slot file, O_DIRECT), ``index`` (LMDB entries:
 slot, signature, length, checksum, meta; and the access order), ``writer`` and
-``commit`` (one writer thread batching stores into synced commits), ``recovery``
+``commit`` (a writer thread batching stores, a thread committing them), ``recovery``
 (opening, budget changes) and ``directory`` (one owner per directory, damage moved aside).
 
 Stores wait in a pending map, readable at once, until the writer commits them: ``put`` copies
@@ -49,8 +49,8 @@ class DiskTier:
     """Blocks of ``block_bytes`` bytes in the directory ``path``, LRU within a budget.
 
     ``capacity_bytes`` bounds the payload bytes kept (whole blocks); the data file is sized to
-    it (plus one batch of spare slots) at open. ``on_event(kind, hash, meta)`` is called from
-    the writer thread, outside any lock, with ``"stored"`` after a block is committed and
+    it (plus spare slots: ``plan``) at open. ``on_event(kind, hash, meta)`` is called from
+    the commit thread, outside any lock, with ``"stored"`` after a block is committed and
     ``"removed"`` after one is evicted or dropped (blocks found or dropped at start-up are not
     announced). A ``map_size`` too small for the budget's index lowers the budget.
 
@@ -98,7 +98,6 @@ class DiskTier:
         capacity, batch, map_size = plan(block_bytes, capacity_bytes, map_size)
         self.block_bytes = block_bytes
         self.counters = counters if counters is not None else TierCounters(tier="disk")
-        self._total_slots = capacity + batch
         self._sync = sync
         self._closed = False
         self._dir = TierDirectory(os.path.realpath(path))
@@ -280,7 +279,7 @@ class DiskTier:
         The caller keeps ``data`` alive and unchanged until ``on_done(ok)``, which is called
         exactly once: True once the block is committed (durable as ``sync`` says) or at once
         if the tier already holds it, False if it was not stored (I/O error, full map, tier
-        closed; counted in ``blocks_dropped``). It runs on this thread or the writer's, must
+        closed; counted in ``blocks_dropped``). It runs on this thread or the tier's, must
         not block and must not call into this tier. The block is readable at once. Bad
         arguments raise ``ValueError`` and call nothing.
         """
@@ -392,7 +391,7 @@ class DiskTier:
         return (
             entry.signature == self._s.signature
             and entry.length == self.block_bytes
-            and 0 <= entry.slot < self._total_slots
+            and 0 <= entry.slot < self._s.total_slots
         )
 
 
