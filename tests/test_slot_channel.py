@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from kvtier.connector.client.slot_answers import PendingOps
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
@@ -173,6 +174,28 @@ def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon
         hashes = [block_hash("after-flood", i) for i in range(4)]
         assert store(client, hashes) == hashes
         assert client.failures == 0
+
+
+def test_a_waiting_caller_reads_its_answer_itself(daemon, monkeypatch):
+    """A caller that waits reads the answers off the channel where no other thread is
+    reading: no second thread wakes between the answer and its caller. (The reader thread may
+    still take a few, read while it held the channel a moment.)"""
+    readers: list[str] = []
+    answer = PendingOps.answer
+
+    def recording_answer(self, result):
+        readers.append(threading.current_thread().name)
+        answer(self, result)
+
+    monkeypatch.setattr(PendingOps, "answer", recording_answer)
+    with daemon.client(lookup_index=False) as client:
+        for i in range(20):
+            hashes = [block_hash("caller-reads", 2 * i + j) for j in range(2)]
+            assert store(client, hashes) == hashes
+            assert load(client, hashes) == hashes
+        assert client.slot_calls.channels_opened >= 1 and client.failures == 0
+    caller = threading.current_thread().name
+    assert readers.count(caller) >= len(readers) // 2, collections.Counter(readers)
 
 
 def test_a_stopping_daemon_ends_each_channel_with_unavailable(daemon):

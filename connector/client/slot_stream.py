@@ -74,6 +74,10 @@ class _Stream:
             self._queue.put(pb.SlotOp(op_id=op_id, **{OP_FIELDS[method][0]: request}))
         return future
 
+    def wait(self, future: OpFuture, timeout: float):
+        """``future.result(timeout)``: the reader thread reads every answer."""
+        return future.result(timeout)
+
     def close(self) -> None:
         """Ends the stream; what still waits on it fails as cancelled by the client."""
         self._closed = True
@@ -186,7 +190,7 @@ class SlotCalls:
         if future is None:
             return getattr(self._stub, method)(request, timeout=timeout, metadata=self._metadata)
         try:
-            return future.result(timeout)
+            return stream.wait(future, timeout)
         except grpc.FutureTimeoutError:
             stream.pending.forget(op_id)
             raise StreamError(
