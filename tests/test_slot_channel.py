@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from kvtier.connector.client.slot_answers import PendingOps
+from kvtier.connector.client.slot_channel import ChannelStream
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
@@ -247,3 +248,31 @@ def test_channels_beyond_the_cap_are_ended_at_once_and_the_rest_still_served():
         assert daemon.stop() == 0, daemon.log.read_text()
     finally:
         daemon.cleanup()
+
+
+def test_a_garbled_answer_read_by_its_caller_fails_every_waiter_and_hangs_none():
+    """A frame that does not parse ends the channel, read by a waiting caller as by the
+    reader thread: every operation still waiting fails as UNAVAILABLE, at once."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    stream = ChannelStream(mine, "s")
+
+    def garble_once_a_caller_reads() -> None:
+        # Nothing was sent yet, so the reader thread holds no lock: the caller does.
+        wait_until(stream._reading.locked, "a caller reading the channel")
+        theirs.sendall(contract.FRAME.pack(8) + b"\xff" * 8)
+
+    sender = threading.Thread(target=garble_once_a_caller_reads)
+    try:
+        first, second = (
+            stream.put(op_id, "Commit", pb.SlotsRequest(session_id="s", slots=[op_id]), 30)
+            for op_id in (1, 2)
+        )
+        sender.start()
+        for future in (first, second):
+            with pytest.raises(grpc.RpcError) as failed:
+                stream.wait(future, 30)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        sender.join()
+        stream.close()
+        theirs.close()

@@ -71,6 +71,9 @@ class ChannelStream:
         self._caller_poll = select.poll()
         self._caller_poll.register(sock, select.POLLIN)
         self._last_word = StreamError(grpc.StatusCode.UNAVAILABLE, "the slot channel ended")
+        self._ended = False
+        """Set (holding ``_reading``) once a caller found the channel ended or broken: the
+        reader thread then fails what waits, reading nothing more."""
         self._reader = threading.Thread(target=self._read, name="kvtier-slot-channel", daemon=True)
         self._reader.start()
 
@@ -118,14 +121,14 @@ class ChannelStream:
         """Reads answers until ``future``'s came, its deadline passed or the channel ended
         (the reader thread then fails what waits)."""
         try:
-            while not future.done() and self.pending.broken is None:
+            while not future.done() and not self._ended:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._caller_poll.poll(left * 1e3):
                     return
-                if not self._read_frame():
-                    return
+                self._ended = not self._read_frame()
         except (OSError, ValueError, DecodeError) as exc:
             log.debug("kvtier slot channel: read failed: %s", exc)
+            self._ended = True  # what follows a frame cut short or garbled is read by nobody
             self._shut()
 
     def _bound_io(self, timeout: float) -> None:
@@ -153,7 +156,7 @@ class ChannelStream:
             while True:
                 ready.poll()
                 with self._reading:
-                    if ready.poll(0) and not self._read_frame():
+                    if self._ended or (ready.poll(0) and not self._read_frame()):
                         break
         except (OSError, ValueError, DecodeError) as exc:
             log.debug("kvtier slot channel: read failed: %s", exc)
