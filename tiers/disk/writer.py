@@ -42,6 +42,7 @@ from kvtier.tiers.disk.commit import (
     BatchCommitter,
     DiskState,
     Event,
+    Pending,
     StagedBatch,
 )
 from kvtier.tiers.tunables import TUNABLES
@@ -191,18 +192,19 @@ class DiskWriter:
 
     def _stage(self, items: list[tuple[int, Any, float]]) -> None:
         """Writes the payloads of the stores among ``items`` now; the commit comes later."""
-        puts = [arg for op, arg, _ in items if op == PUT]
-        if puts:
-            with self._drained:
-                stores = {h: self._pending[h] for h in puts if h in self._pending}
+        stores = self._stores_of(items)
+        if stores:
             self._committer.stage(stores)
 
     def _seal(self, batch: list[tuple[int, Any, float]]) -> StagedBatch:
         """Stages what is left of the batch's stores and closes it for its commit."""
-        puts = [arg for op, arg, _ in batch if op == PUT]
+        return self._committer.seal(self._stores_of(batch))
+
+    def _stores_of(self, items: list[tuple[int, Any, float]]) -> dict[bytes, Pending]:
+        """The pending blocks of the stores among ``items``."""
+        puts = [arg for op, arg, _ in items if op == PUT]
         with self._drained:
-            stores = {h: self._pending[h] for h in puts if h in self._pending}
-        return self._committer.seal(stores)
+            return {h: self._pending[h] for h in puts if h in self._pending}
 
     def _process(self, batch: list[tuple[int, Any, float]], sealed: StagedBatch) -> None:
         """On the commit thread: commits one batch, tells ``on_event`` and each store's
