@@ -187,13 +187,12 @@ class ChannelStream:
         return True
 
     def _receive(self, size: int) -> bytes | None:
-        """Exactly ``size`` bytes, or None if the channel ends first."""
-        data = bytearray(size)
-        view = memoryview(data)
-        got = 0
-        while got < size:
-            n = self._sock.recv_into(view[got:])
-            if not n:
+        """Exactly ``size`` bytes, or None if the channel ends first (one ``recv`` when the
+        whole frame is there, as it mostly is)."""
+        data = b""
+        while len(data) < size:
+            more = self._sock.recv(size - len(data))
+            if not more:
                 return None
-            got += n
-        return bytes(data)
+            data += more
+        return data

@@ -203,6 +203,8 @@ class DiskWriter:
     def _stores_of(self, items: list[tuple[int, Any, float]]) -> dict[bytes, Pending]:
         """The pending blocks of the stores among ``items``."""
         puts = [arg for op, arg, _ in items if op == PUT]
+        if not puts:  # access bumps and drops alone: no lock to take
+            return {}
         with self._drained:
             return {h: self._pending[h] for h in puts if h in self._pending}
 
