@@ -4,6 +4,7 @@ slots become evictable again) at the acquire, at its deadline, or with the sessi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -232,5 +233,26 @@ def test_a_notice_holds_no_host_hit_its_probe_did_not_promise(daemon):
     )
     layout = daemon.stats().layouts[0]
     assert (layout.held_slots, layout.holds_missed, layout.holds_refused) == (0, 0, 0)
+    writer.close()
+    scheduler.close()
+
+
+def test_a_notice_of_several_calls_holds_what_the_probe_found_in_each(daemon):
+    """A lookup longer than one call's hashes goes as several; each says how many host hits
+    the probe found in its own hashes, so the daemon holds those and none of the request's
+    blocks stored after the probe."""
+    writer = daemon.client(client_name="writer")
+    scheduler = daemon.client(client_name="sched", lookup_index=True)
+    scheduler._keeper.limits = dataclasses.replace(scheduler._keeper.limits, max_hashes=3)
+    prompt = [block_hash("chunked", i) for i in range(8)]
+    assert store(writer, prompt[:5]) == prompt[:5]
+    notices, send = held_back_notices(scheduler)
+    assert scheduler.lookup(prompt).host == 5
+    (notice,) = notices
+    assert store(writer, prompt[5:]) == prompt[5:]  # the rest ran and was stored meanwhile
+    send(notice)
+    wait_until(lambda: daemon.stats().layouts[0].held_slots == 5, "the notice's holds")
+    layout = daemon.stats().layouts[0]
+    assert (layout.held_slots, layout.holds_missed, layout.holds_refused) == (5, 0, 0)
     writer.close()
     scheduler.close()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import xxhash
 
 from kvtier.connector.client.index_reader import LookupIndexReader
@@ -138,12 +139,16 @@ def test_a_prefix_probe_stops_at_the_first_miss_and_counts_its_host_hits(tmp_pat
             expected = tiers[start : start + 300]
             misses = np.flatnonzero(expected == 0)
             held = int(misses[0]) if len(misses) else len(asked)
-            found = reader.probe_prefix(asked)
+            bits = np.zeros(len(asked), np.uint8)
+            found = reader.probe_prefix(b"".join(asked), bits)
             assert found.held == held
             assert found.host == int(np.count_nonzero(expected[:held] & HOST))
-            assert found.bits[:held].tolist() == expected[:held].tolist()
-            assert not found.bits[held:].any()
-        assert reader.probe_prefix([h(10**6), *hashes[:5]]).held == 0
+            assert bits[:held].tolist() == expected[:held].tolist()
+            assert not bits[held:].any()
+            assert reader.probe_prefix(b"".join(asked)) == found  # the counts without bits
+        assert reader.probe_prefix(b"".join([h(10**6), *hashes[:5]])).held == 0
+        with pytest.raises(ValueError):
+            reader.probe_prefix(b"".join(hashes[:4]), np.zeros(3, np.uint8))
     finally:
         writer.close()
 
@@ -175,7 +180,7 @@ assert load_probe()
 from kvtier.proto.lookup_index import HOST, LookupIndexWriter
 writer = LookupIndexWriter({str(tmp_path / "idx")!r}, blocks=8)
 writer.set(bytes(range(16)), HOST)
-found = LookupIndexReader({str(tmp_path / "idx")!r}).probe_prefix([bytes(range(16))])
+found = LookupIndexReader({str(tmp_path / "idx")!r}).probe_prefix(bytes(range(16)))
 assert (found.held, found.host) == (1, 1), found
 writer.close()
 """

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from kvtier.bench.daemon.probes import hashes_for, require_compiled_probe
 from kvtier.connector.client.index_reader import LookupIndexReader
+from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto.lookup_index import HOST, LookupIndexWriter
 
 PAUSE_S = 0.02
@@ -69,7 +70,9 @@ def idle_floors(hashes: int) -> dict[str, float]:
         try:
             held = hashes_for(hashes)
             writer.set_all(held, HOST)
-            figures.update(_hot_and_idle("index_probe", lambda: reader.probe_prefix(held)))
+            figures.update(
+                _hot_and_idle("index_probe", lambda: reader.probe_prefix(pack_hashes(held)))
+            )
         finally:
             reader.close()
             writer.close()

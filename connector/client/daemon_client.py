@@ -225,16 +225,12 @@ class DaemonClient:
     # ---- LowerTier ----
 
     def lookup(self, hashes: Sequence[BlockHash]) -> LowerHits:
-        return self.lookup_async(hashes).result()
+        """The prefix of ``hashes`` the daemon's tiers hold (trouble: a miss)."""
+        return self._lookups.answer(self._usable(bool(hashes)), hashes)
 
     def lookup_async(self, hashes: Sequence[BlockHash]) -> Future[LowerHits]:
         """Starts a Lookup without waiting; the future never raises (trouble: a miss)."""
-        session = self._usable(bool(hashes))
-        if session is None or not hashes:
-            result: Future[LowerHits] = Future()
-            result.set_result(LowerHits())
-            return result
-        return self._lookups.ask(session, list(hashes))
+        return self._lookups.ask(self._usable(bool(hashes)), hashes)
 
     def reserve(
         self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None

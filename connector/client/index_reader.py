@@ -12,9 +12,10 @@ takes between requests; compiled, 30 to 36 and 231 to 237 µs (the walk itself a
 After that pause everything here runs several times slower than back to back, so the probe
 makes as few calls as it can: the writer's liveness is one ``fcntl`` that neither raises nor
 takes a lock (``is_kept``; it was a lock taken, refused with an exception, 47 µs after the
-pause), and the hashes' view, the bits and the answer are one numpy call and the compiled
-loop's own. Even that ``fcntl`` was 26 to 29 µs of a 240 µs lookup after the pause, so a
-reader trusts a writer it found alive for ``WRITER_RECHECK_S`` before it asks again.
+pause), the hashes' view is the compiled loop's own, which makes no array for its answer
+and is called without numba's dispatcher (``probe_kernel.entry_point``). Even that
+``fcntl`` was 26 to 29 µs of a 240 µs lookup after the pause, so a reader trusts a writer it
+found alive for ``WRITER_RECHECK_S`` before it asks again.
 
 A probe reads records the daemon may be writing: a record's hash is published before its
 tier bits and never changes until the table is rebuilt, so a torn read can at worst miss a
@@ -59,8 +60,11 @@ does. A paced engine that looks up every 0.2 s would pay the check on every look
 A retired index is seen at once (a flag in the mapped header)."""
 _clock = time.monotonic
 
-_walk_table: Callable[..., tuple[int, int, np.ndarray]] | None = None
-"""The compiled probe (``probe_kernel.walk_table``), once its loader thread has loaded it."""
+_walk_table: Callable[..., tuple[int, int]] | None = None
+"""The compiled probe (``probe_kernel.walk_table``'s machine code), once its loader thread
+has loaded it."""
+_NO_BITS = np.zeros(0, np.uint8)
+"""The tier bits' array of a probe that wants only the counts (the probe writes none)."""
 _loader: threading.Thread | None = None
 _loader_lock = threading.Lock()
 
@@ -89,20 +93,21 @@ def load_probe() -> bool:
 def _load() -> None:
     global _walk_table
     try:
-        from kvtier.connector.client.probe_kernel import walk_table
+        from kvtier.connector.client.probe_kernel import entry_point, walk_table
+
+        loaded = entry_point(walk_table)
     except Exception:  # no numba, or one that cannot compile it: calls still answer
         log.warning("lookups go to the daemon: no compiled probe", exc_info=True)
         return
-    _walk_table = walk_table
+    _walk_table = loaded
 
 
 class PrefixHits(NamedTuple):
     """A lookup's answer from the index: the first ``held`` hashes are in a tier, ``host`` of
-    them in the host tier; ``bits`` are their tier bits."""
+    them in the host tier."""
 
     held: int
     host: int
-    bits: np.ndarray
 
 
 class LookupIndexReader:
@@ -166,21 +171,22 @@ class LookupIndexReader:
 
     def probe(self, hashes: Sequence[bytes] | Iterable[bytes]) -> np.ndarray | None:
         """Each hash's tier bits (0: neither tier holds it), or None without an index."""
-        found = self._walk(hashes, prefix=False)
-        return None if found is None else found.bits
+        packed = b"".join(hashes)
+        bits = np.zeros(len(packed) // HASH_BYTES, np.uint8)
+        return None if self._walk(packed, False, bits) is None else bits
 
-    def probe_prefix(self, hashes: Sequence[bytes] | Iterable[bytes]) -> PrefixHits | None:
-        """How many of ``hashes``, from the first, some tier holds (the walk stops at the
-        first miss), or None without an index."""
-        return self._walk(hashes, prefix=True)
+    def probe_prefix(self, packed: bytes, bits: np.ndarray | None = None) -> PrefixHits | None:
+        """How many of the hashes ``packed`` end to end, from the first, some tier holds (the
+        walk stops at the first miss), or None without an index. A ``bits`` array of a byte
+        per hash gets the tier bits of each walked one."""
+        return self._walk(packed, True, _NO_BITS if bits is None else bits)
 
-    def _walk(self, hashes: Sequence[bytes] | Iterable[bytes], prefix: bool) -> PrefixHits | None:
+    def _walk(self, packed: bytes, prefix: bool, bits: np.ndarray) -> PrefixHits | None:
         if _walk_table is None or not self._mapped():
             return None
-        packed = b"".join(hashes)
         if len(packed) % HASH_BYTES:
             raise ValueError(f"block hashes have {HASH_BYTES} bytes each")
-        return PrefixHits(*_walk_table(self._words, packed, prefix))
+        return PrefixHits(*_walk_table(self._words, packed, prefix, bits))
 
     def close(self) -> None:
         self._words = None
