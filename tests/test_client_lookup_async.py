@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import threading
 
 import pytest
 
+from kvtier.connector.client.index_reader import load_probe
 from kvtier.tiers.host.tier import LowerHits
 
-from daemonutil import BLOCK_BYTES, Daemon, block_hash, store
+from daemonutil import BLOCK_BYTES, Daemon, block_hash, store, wait_until
 
 
 @pytest.fixture
@@ -58,5 +60,40 @@ def test_a_dead_daemon_is_a_counted_miss(daemon) -> None:
         answer = client.lookup_async(hashes)
         assert answer.result(timeout=30) == LowerHits()
         assert client.failures >= 1
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("lookup_index", [True, False])
+def test_lookup_then_hands_over_the_answer_at_once_only_where_the_index_gives_it(
+    daemon, lookup_index
+) -> None:
+    """The scheduler's path: no future; an index answer reaches ``then`` before the call
+    returns, on the caller's thread, and a call's later, on one of the client's."""
+    client = daemon.client(lookup_index=lookup_index)
+    try:
+        hashes = [block_hash("then", i) for i in range(6)]
+        store(client, hashes[:4])
+        if lookup_index:
+            assert load_probe()
+            wait_until(lambda: client.lookup(hashes) == LowerHits(host=4), "the index")
+        answers: list[tuple[LowerHits, str]] = []
+        landed = threading.Event()
+
+        def then(hits: LowerHits) -> None:
+            answers.append((hits, threading.current_thread().name))
+            landed.set()
+
+        probed = client._lookups.probed
+        client.lookup_then(hashes, then)
+        assert bool(answers) == lookup_index
+        assert landed.wait(30)
+        ((hits, thread),) = answers
+        assert hits == LowerHits(host=4)
+        assert (thread == threading.current_thread().name) == lookup_index
+        assert client._lookups.probed == probed + lookup_index
+        client.lookup_then([], then)
+        assert answers[-1][0] == LowerHits()  # nothing to ask: a miss at once
+        assert client.failures == 0
     finally:
         client.close()

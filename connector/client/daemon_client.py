@@ -232,6 +232,10 @@ class DaemonClient:
         """Starts a Lookup without waiting; the future never raises (trouble: a miss)."""
         return self._lookups.ask(self._usable(bool(hashes)), hashes)
 
+    def lookup_then(self, hashes: Sequence[BlockHash], then: Callable[[LowerHits], None]) -> None:
+        """``lookup_async`` with no future: ``then(answer)`` at once where the index answers."""
+        self._lookups.ask_then(self._usable(bool(hashes)), hashes, then)
+
     def reserve(
         self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None
     ) -> list[int]:

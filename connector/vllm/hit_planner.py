@@ -141,8 +141,8 @@ class HitPlanner:
             self.stats.add("lookup_tokens", end - start)
         return lookup
 
-    def _ask(self, chain: Chain, hashes: list[BlockHash]):
-        return self.clients[chain.signature].lookup_async(hashes)
+    def _ask(self, chain: Chain, hashes: list[BlockHash], then) -> None:
+        self.clients[chain.signature].lookup_then(hashes, then)
 
     @property
     def _min_hit_tokens(self) -> int:

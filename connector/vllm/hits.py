@@ -30,8 +30,10 @@ from kvtier.tiers.lower import LowerHits
 
 UNKNOWN, HELD, MISSING = 0, 1, 2
 
-Ask = Callable[["Chain", list[BlockHash]], Future[LowerHits]]
-"""Starts a prefix lookup of these hashes of a chain; the future never raises."""
+Ask = Callable[["Chain", list[BlockHash], Callable[[LowerHits], None]], None]
+"""Starts a prefix lookup of these hashes of a chain and hands its answer to the callback, at
+once or from another thread (``DaemonClient.lookup_then``); trouble is a miss, never an
+exception."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +123,12 @@ class HitSearch:
         with self._lock:
             self._pending = len(probes)
         for chain, first, last in probes:
-            future = self._ask(chain, chain.hashes[first:last])
-            future.add_done_callback(
-                lambda f, chain=chain, first=first, n=last - first: self._answered(
-                    chain, first, n, f.result()
-                )
+            self._ask(
+                chain,
+                chain.hashes[first:last],
+                lambda hits, chain=chain, first=first, n=last - first: self._answered(
+                    chain, first, n, hits
+                ),
             )
 
     def _answered(self, chain: Chain, first: int, asked: int, hits: LowerHits) -> None:
