@@ -46,6 +46,7 @@ def walk_table(words, packed, prefix, bits):
     it stops at the first miss, as a lookup does. Each walked hash's tier bits (0 on a miss)
     go to ``bits`` unless it is empty (a lookup of one call needs only the counts); past the
     first miss they are left as they were.
+
     ``words`` are the table's records as 64-bit words (the hash's two first, the tier bits the
     low byte of ``TIERS_WORD``); ``packed`` is the hashes' bytes end to end, two words each,
     little-endian as the table's (its length a multiple of 16, which the caller checks). A
