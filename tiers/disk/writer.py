@@ -126,7 +126,7 @@ class DiskWriter:
                     touches += batch
                     continue
                 batch, touches = touches + batch, []
-                sealed = self._seal(batch)
+                sealed = self._committer.seal(self._stores_of(batch))
                 if committing is not None:
                     committing[0].result()
                 committing = (self._commits.submit(self._process, batch, sealed), batch)
@@ -195,10 +195,6 @@ class DiskWriter:
         stores = self._stores_of(items)
         if stores:
             self._committer.stage(stores)
-
-    def _seal(self, batch: list[tuple[int, Any, float]]) -> StagedBatch:
-        """Stages what is left of the batch's stores and closes it for its commit."""
-        return self._committer.seal(self._stores_of(batch))
 
     def _stores_of(self, items: list[tuple[int, Any, float]]) -> dict[bytes, Pending]:
         """The pending blocks of the stores among ``items``."""
