@@ -69,7 +69,8 @@ def test_lookup_then_hands_over_the_answer_at_once_only_where_the_index_gives_it
     daemon, lookup_index
 ) -> None:
     """The scheduler's path: no future; an index answer reaches ``then`` before the call
-    returns, on the caller's thread, and a call's later, on one of the client's."""
+    returns, on the caller's thread; without the index a call answers (on whichever thread
+    its reply lands: a fast reply can beat ``add_done_callback`` to it)."""
     client = daemon.client(lookup_index=lookup_index)
     try:
         hashes = [block_hash("then", i) for i in range(6)]
@@ -86,11 +87,11 @@ def test_lookup_then_hands_over_the_answer_at_once_only_where_the_index_gives_it
 
         probed = client._lookups.probed
         client.lookup_then(hashes, then)
-        assert bool(answers) == lookup_index
+        if lookup_index:
+            assert answers == [(LowerHits(host=4), threading.current_thread().name)]
         assert landed.wait(30)
-        ((hits, thread),) = answers
+        ((hits, _),) = answers
         assert hits == LowerHits(host=4)
-        assert (thread == threading.current_thread().name) == lookup_index
         assert client._lookups.probed == probed + lookup_index
         client.lookup_then([], then)
         assert answers[-1][0] == LowerHits()  # nothing to ask: a miss at once

@@ -100,8 +100,9 @@ class LookupCalls:
         self, session: str | None, hashes: Sequence[BlockHash], then: Callable[[LowerHits], None]
     ) -> None:
         """``ask``'s answer handed to ``then``, with no future made: here and at once where
-        the index gives it, else on the thread the call's answer arrives on. (After a paced
-        client's idle pause a future took 35 to 50 µs to make on the 2-core VM.)"""
+        the index gives it, else when the call's answer arrives (on the client's thread it
+        lands on, or here where it lands first). (After a paced client's idle pause a future
+        took 35 to 50 µs to make on the 2-core VM.)"""
         found = self._from_index(session, hashes)
         if isinstance(found, LowerHits):
             then(found)
