@@ -192,20 +192,26 @@ def test_routers_see_the_tiers_in_vllms_event_stream(kvtier: KVTierEngine) -> No
 
     The disk tier announces a block once its write lands, and the scheduler publishes what it
     has heard at its next step: on a loaded machine the last writes land after the pass's
-    last step. So the engine steps (a request that stores nothing) until the router has heard
-    of as many disk blocks as were stored, or the wait times out."""
+    last step. A store's outcome is counted at the worker's first step after its commit
+    answers, so a commit answered after a pass's last step is counted in the next pass's.
+    So the engine steps (a request that stores nothing, whose counts are those late ones)
+    until every doc block's store is counted and the router has heard of exactly the blocks
+    stored, or the wait times out."""
     router = kvtier.router
-    passes = (kvtier.first, kvtier.again)
-    stored = sum(p.counter("stored_blocks") for p in passes)
-    refused = sum(p.counter("store_failed_blocks") for p in passes)
+    passes = [kvtier.first, kvtier.again]
+    docs = {h for doc in DOCS for h in router_hashes(doc, len(doc) // BLOCK, BLOCK)}
 
     def heard_of_every_write() -> bool:
-        kvtier.run("nudge")
+        passes.append(kvtier.run("nudge"))
         router.sync()
-        return len(router.held[MEDIUM_STORAGE]) >= stored
+        stored = sum(p.counter("stored_blocks") for p in passes)
+        refused = sum(p.counter("store_failed_blocks") for p in passes)
+        counted = stored + refused >= len(docs)
+        return counted and len(router.held[MEDIUM_STORAGE]) == stored
 
-    wait_until(heard_of_every_write, "the disk tier's writes to reach the router")
-    docs = {h for doc in DOCS for h in router_hashes(doc, len(doc) // BLOCK, BLOCK)}
+    wait_until(heard_of_every_write, "every doc block's store counted and announced")
+    stored = sum(p.counter("stored_blocks") for p in passes)
+    refused = sum(p.counter("store_failed_blocks") for p in passes)
     on_gpu = {
         h
         for event in router.events
