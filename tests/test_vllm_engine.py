@@ -201,17 +201,19 @@ def test_routers_see_the_tiers_in_vllms_event_stream(kvtier: KVTierEngine) -> No
     passes = [kvtier.first, kvtier.again]
     docs = {h for doc in DOCS for h in router_hashes(doc, len(doc) // BLOCK, BLOCK)}
 
+    def counted() -> tuple[int, int]:
+        """Doc blocks stored and refused, over every pass so far."""
+        stored = sum(p.counter("stored_blocks") for p in passes)
+        return stored, sum(p.counter("store_failed_blocks") for p in passes)
+
     def heard_of_every_write() -> bool:
         passes.append(kvtier.run("nudge"))
         router.sync()
-        stored = sum(p.counter("stored_blocks") for p in passes)
-        refused = sum(p.counter("store_failed_blocks") for p in passes)
-        counted = stored + refused >= len(docs)
-        return counted and len(router.held[MEDIUM_STORAGE]) == stored
+        stored, refused = counted()
+        return stored + refused >= len(docs) and len(router.held[MEDIUM_STORAGE]) == stored
 
     wait_until(heard_of_every_write, "every doc block's store counted and announced")
-    stored = sum(p.counter("stored_blocks") for p in passes)
-    refused = sum(p.counter("store_failed_blocks") for p in passes)
+    stored, refused = counted()
     on_gpu = {
         h
         for event in router.events

@@ -5,6 +5,8 @@ accepted. ``SchedulerSide`` (``scheduler``, whose docstring tells the whole step
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.connector.client.daemon_client import DaemonClient
@@ -19,6 +21,7 @@ from kvtier.connector.vllm.metadata import LoadSpec
 from kvtier.connector.vllm.request import PlannedLoad, RequestHashes, RequestState
 from kvtier.connector.vllm.stats import KVTierStats
 from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.lower import LowerHits
 
 
 class HitPlanner:
@@ -141,7 +144,9 @@ class HitPlanner:
             self.stats.add("lookup_tokens", end - start)
         return lookup
 
-    def _ask(self, chain: Chain, hashes: list[BlockHash], then) -> None:
+    def _ask(
+        self, chain: Chain, hashes: list[BlockHash], then: Callable[[LowerHits], None]
+    ) -> None:
         self.clients[chain.signature].lookup_then(hashes, then)
 
     @property
