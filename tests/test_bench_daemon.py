@@ -26,6 +26,8 @@ MIX_KEYS = (
     "daemon_commit_us_per_block",
     "daemon_acquire_us_per_block",
     "daemon_release_us_per_block",
+    "daemon_notice_hot_us",
+    "daemon_notice_idle_us",
 )
 
 

@@ -38,6 +38,9 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
 * ``daemon_{reserve,commit,acquire,release}_us_per_block`` (``per_block``): the daemon's own
   work per block of a ``--batch``-block call, in this process without the wire, its host tier
   full (each Reserve evicts what it takes): what grows with a store's or a load's length;
+* ``daemon_notice_hot_us``/``daemon_notice_idle_us`` (``per_block``): the daemon's own work on
+  a probed lookup's notice of ``--hashes`` held blocks (at most 1,024), back to back and after
+  an idle pause: what the slot operations' tail with many clients follows;
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
   with full-size lookups (heavy calls run on worker threads, so they must not stall it);
 * ``small_lookup_p99_slow_remote_ms``: the same small host-hit lookup, one every 5 ms, its
@@ -291,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             daemon.wait(30)
         raw_write, _, how = raw_disk_gbps(str(root), burst * block_bytes)
         floors = idle_floors(args.hashes)
-        per_block = per_block_us(args.batch, max(args.rounds, 50))
+        per_block = per_block_us(args.batch, max(args.rounds, 50), args.hashes)
         src = torch.randint(0, 256, (burst // 2, block_bytes), dtype=torch.uint8)
         dst = src.clone()
         with disk_writing(str(root)):
