@@ -36,6 +36,8 @@ BLOCK_BYTES = 64 << 10
 SLOTS = 2048
 WARM_ROUNDS = 5
 CALLS = ("reserve", "commit", "acquire", "release")
+NOTICE_STORE_BATCH = 256
+"""Blocks stored per Reserve and Commit before the notices, as a connector stores a prompt."""
 
 
 def per_block_us(batch: int, rounds: int, hashes: int) -> dict[str, float]:
@@ -94,13 +96,15 @@ def _notice_us(daemon: Daemon, session: str, count: int, rounds: int) -> dict[st
     """Median microseconds of the daemon's work on a notice of ``count`` held blocks, back to
     back and after ``PAUSE_S`` each."""
     hashes = [uuid.uuid4().bytes for _ in range(count)]
-    for start in range(0, count, 256):
-        daemon.commit(session, daemon.reserve(session, hashes[start : start + 256]))
+    for start in range(0, count, NOTICE_STORE_BATCH):
+        stored = hashes[start : start + NOTICE_STORE_BATCH]
+        daemon.commit(session, daemon.reserve(session, stored))
     figures: dict[str, float] = {}
     for name, pause in (("hot", 0.0), ("idle", PAUSE_S)):
         times = []
         for round_ in range(WARM_ROUNDS + rounds):
-            time.sleep(pause)
+            if pause:
+                time.sleep(pause)
             t0 = time.perf_counter()
             hits = daemon.lookup(session, hashes, probed_host=count)
             seconds = time.perf_counter() - t0
