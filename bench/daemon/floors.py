@@ -58,7 +58,7 @@ def idle_floors(hashes: int) -> dict[str, float]:
                     raise RuntimeError("the echo process ended")
                 got += len(data)
 
-        figures.update(_hot_and_idle("round_trip", round_trip))
+        figures.update(hot_and_idle("round_trip", round_trip))
     finally:
         mine.close()
         echo.wait(30)
@@ -71,7 +71,7 @@ def idle_floors(hashes: int) -> dict[str, float]:
             held = hashes_for(hashes)
             writer.set_all(held, HOST)
             figures.update(
-                _hot_and_idle("index_probe", lambda: reader.probe_prefix(pack_hashes(held)))
+                hot_and_idle("index_probe", lambda: reader.probe_prefix(pack_hashes(held)))
             )
         finally:
             reader.close()
@@ -79,7 +79,9 @@ def idle_floors(hashes: int) -> dict[str, float]:
     return figures
 
 
-def _hot_and_idle(name: str, call: Callable[[], object]) -> dict[str, float]:
+def hot_and_idle(name: str, call: Callable[[], object]) -> dict[str, float]:
+    """Medians of ``call``, in µs, back to back (``{name}_hot_us``) and after ``PAUSE_S``
+    asleep (``{name}_idle_us``), after a few untimed calls."""
     hot, idle = [], []
     for _ in range(10):
         call()

@@ -10,7 +10,8 @@ block size: no bytes move here, and the arena stays small.
 
 Then the same daemon takes a probed lookup's notice of ``hashes`` held blocks, again and
 again, as the servicer runs one on its lookup thread (the hits walked, pinned and held, the
-counters counted): back to back, and each after a paced client's idle pause (``PAUSE_S``).
+counters counted): back to back, and each after a paced client's idle pause, as the
+machine's floors are timed (``floors.hot_and_idle``).
 With eight paced clients on the 2-core VM, a daemon that did none of this work kept the slot
 operations' p99 within 2 ms where the whole of it took them to 2.4-3.6 ms
 (docs/performance.md), so this is the figure that tail follows.
@@ -25,7 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvtier.bench.daemon.floors import PAUSE_S
+from kvtier.bench.daemon.floors import hot_and_idle
 from kvtier.proto.contract import PROTOCOL_VERSION
 from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
@@ -42,7 +43,7 @@ NOTICE_STORE_BATCH = 256
 
 def per_block_us(batch: int, rounds: int, hashes: int) -> dict[str, float]:
     """Median microseconds per block of each call, over ``rounds`` rounds of ``batch`` blocks,
-    and of a notice of ``hashes`` (at most half the tier's slots) over ``rounds`` notices."""
+    and of a notice of ``hashes`` (at most half the tier's slots)."""
     return asyncio.run(_measure(batch, rounds, min(hashes, SLOTS // 2)))
 
 
@@ -80,7 +81,7 @@ async def _measure(batch: int, rounds: int, notice_hashes: int) -> dict[str, flo
                     spans = (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
                     for name, seconds in zip(CALLS, spans, strict=True):
                         times[name].append(seconds)
-            notices = _notice_us(daemon, session, notice_hashes, rounds)
+            notices = _notice_us(daemon, session, notice_hashes)
         finally:
             daemon.shutdown()
     return {
@@ -92,25 +93,16 @@ async def _measure(batch: int, rounds: int, notice_hashes: int) -> dict[str, flo
     }
 
 
-def _notice_us(daemon: Daemon, session: str, count: int, rounds: int) -> dict[str, float]:
-    """Median microseconds of the daemon's work on a notice of ``count`` held blocks, back to
-    back and after ``PAUSE_S`` each."""
+def _notice_us(daemon: Daemon, session: str, count: int) -> dict[str, float]:
+    """The daemon's work on a notice of ``count`` held blocks (``hot_and_idle``)."""
     hashes = [uuid.uuid4().bytes for _ in range(count)]
     for start in range(0, count, NOTICE_STORE_BATCH):
         stored = hashes[start : start + NOTICE_STORE_BATCH]
         daemon.commit(session, daemon.reserve(session, stored))
-    figures: dict[str, float] = {}
-    for name, pause in (("hot", 0.0), ("idle", PAUSE_S)):
-        times = []
-        for round_ in range(WARM_ROUNDS + rounds):
-            if pause:
-                time.sleep(pause)
-            t0 = time.perf_counter()
-            hits = daemon.lookup(session, hashes, probed_host=count)
-            seconds = time.perf_counter() - t0
-            if hits is None or hits.host != count:
-                raise RuntimeError(f"a notice found {hits} of {count} host hits")
-            if round_ >= WARM_ROUNDS:
-                times.append(seconds)
-        figures[f"daemon_notice_{name}_us"] = statistics.median(times) * 1e6
-    return figures
+
+    def notice() -> None:
+        hits = daemon.lookup(session, hashes, probed_host=count)
+        if hits is None or hits.host != count:
+            raise RuntimeError(f"a notice found {hits} of {count} host hits")
+
+    return hot_and_idle("daemon_notice", notice)
