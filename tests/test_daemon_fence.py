@@ -25,7 +25,7 @@ from kvtier.service.liveness import process_gone, task_state
 from kvtier.service.sessions import Leftovers
 from kvtier.service.store import BlockStore
 from kvtier.service.tunables import TUNABLES
-from kvtier.tiers.host.tier import ALREADY_STORED
+from kvtier.tiers.lower import ALREADY_STORED
 
 from daemonutil import wait_until
 

@@ -17,7 +17,7 @@ from kvtier.service.session_errors import (
     SessionLimit,
 )
 from kvtier.service.sessions import ACQUIRE, RESERVE, SessionTable
-from kvtier.tiers.host.tier import NO_SPACE
+from kvtier.tiers.lower import NO_SPACE
 
 
 class FakeClock:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from kvtier.tiers.disk.tier import DiskTier
-from kvtier.tiers.host.tier import ALREADY_STORED, NO_SPACE, HostTier
+from kvtier.tiers.host.tier import HostTier
+from kvtier.tiers.lower import ALREADY_STORED, NO_SPACE
 
 BLOCK = 64
 

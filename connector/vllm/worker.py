@@ -55,7 +55,7 @@ from kvtier.connector.vllm.stores import PendingStore, StoreQueue, StoreReaders
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.transfer import Transfer
-from kvtier.tiers.host.tier import ALREADY_STORED
+from kvtier.tiers.lower import ALREADY_STORED
 
 log = logging.getLogger(__name__)
 

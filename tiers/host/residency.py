@@ -9,7 +9,7 @@ sends it there; every change of occupancy is counted and announced ("removed").
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
 from kvtier.tiers.host.admission import AdmissionPolicy
 from kvtier.tiers.host.slots import READY, SlotTable
-from kvtier.tiers.lower import DiskTierLike
+from kvtier.tiers.lower import ALREADY_STORED, NO_SPACE, NOT_ADMITTED, DiskTierLike
 
 EventFn = Callable[[str, list[tuple[BlockHash, bytes]]], None]
 """Hears blocks of one kind ("stored" or "removed"), (hash, meta) each, a batch at a time: the
@@ -46,21 +46,80 @@ class Residency:
         self._on_event = on_event
         self._block_bytes = slab.shape[1]
 
-    def claim(self, slot: int, block_hash: BlockHash, meta: bytes) -> None:
+    def claim(self, slot: int, block_hash: BlockHash | None, meta: bytes) -> None:
         self._table.claim(slot, block_hash, meta)
         self._counters.used_blocks += 1
         self._counters.used_bytes += self._block_bytes
 
-    def drop(self, slot: int, notify: bool = True) -> BlockHash:
+    def drop(self, slot: int, notify: bool = True) -> BlockHash | None:
         """Frees ``slot``; ``notify`` False leaves waking the waiters to the caller, who holds
         the lock (they run only once it is let go, so one notice for a batch does)."""
         block_hash = self._table.drop(slot)
-        self._admission.dropped(block_hash)
+        if block_hash is not None:
+            self._admission.dropped(block_hash)
         self._counters.used_blocks -= 1
         self._counters.used_bytes -= self._block_bytes
         if notify:
             self._changed.notify_all()
         return block_hash
+
+    def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes]) -> list[int]:
+        """``HostTier.reserve``: a slot per hash, or why none."""
+        index, lower = self._table.index, self._lower
+        # One question to the tier below (one read of its index) and one eviction a batch.
+        fresh = {h for h in hashes if h not in index}
+        below = lower.holding(list(fresh)) if lower is not None and fresh else set()
+        evicted = self.make_room(len(fresh - below))
+        if lower is not None:
+            below |= evicted  # the tier below has each block evicted (spilled if need be)
+        result: list[int] = []
+        for i, h in enumerate(hashes):
+            refusal = self._refusal(h, below)
+            slot = self.take() if refusal is None else None
+            if slot is None:
+                result.append(NO_SPACE if refusal is None else refusal)
+                continue
+            self.claim(slot, h, metas[i] if metas else b"")
+            result.append(slot)
+        return result
+
+    def reserve_unnamed(self, count: int) -> list[int]:
+        """``HostTier.reserve_unnamed``."""
+        self.make_room(count)
+        slots = []
+        while len(slots) < count and (slot := self.take()) is not None:
+            self.claim(slot, None, b"")
+            slots.append(slot)
+        return slots
+
+    def name(
+        self, slots: Sequence[int], hashes: Sequence[BlockHash], metas: Sequence[bytes]
+    ) -> list[int]:
+        """Names unnamed slots for ``HostTier.commit_named``; frees those whose block needs
+        no storing and returns the others."""
+        index, lower = self._table.index, self._lower
+        fresh = [h for h in hashes if h not in index]
+        below = lower.holding(fresh) if lower is not None and fresh else set()
+        named = []
+        for i, (slot, h) in enumerate(zip(slots, hashes, strict=True)):
+            if self._refusal(h, below) is None:  # a hash named twice here: the first goes
+                self._table.name(slot, h, metas[i] if metas else b"")
+                named.append(slot)
+            else:
+                self.drop(slot, notify=False)
+        if len(named) < len(slots):
+            self._changed.notify_all()
+        return named
+
+    def _refusal(self, block_hash: BlockHash, below: set[BlockHash]) -> int | None:
+        """Why ``block_hash`` needs no slot (counted), or None where it is to be stored."""
+        if block_hash in self._table.index or block_hash in below:
+            self._counters.blocks_deduplicated += 1
+            return ALREADY_STORED
+        if not self._admission.admit(block_hash):
+            self._counters.blocks_not_admitted += 1
+            return NOT_ADMITTED
+        return None
 
     def take(self) -> int | None:
         """A free slot, evicting the LRU committed slot if need be."""
@@ -72,12 +131,12 @@ class Residency:
         evict), spilling into the disk tier those it lacks (asked once for them all);
         returns the hashes evicted."""
         table, lower = self._table, self._lower
-        victims = []
-        while table.free + len(victims) < wanted:
-            slot = table.lru_pop()
-            if slot is None:
-                break
-            victims.append((slot, table.hash_of(slot), table.meta.get(slot, b"")))
+        if table.free >= wanted:
+            return set()
+        victims = [
+            (slot, table.hash_of(slot), table.meta.get(slot, b""))
+            for slot in table.lru_pop_many(wanted - table.free)
+        ]
         if not victims:
             return set()
         below = lower.holding([v for _, v, _ in victims]) if lower is not None else set()

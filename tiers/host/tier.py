@@ -33,10 +33,7 @@ from kvtier.tiers.host.residency import EventFn, Residency
 from kvtier.tiers.host.slab import Slab
 from kvtier.tiers.host.slots import READY, WRITING, SlotTable
 from kvtier.tiers.lower import (
-    ALREADY_STORED,
     MAX_META_BYTES,
-    NO_SPACE,
-    NOT_ADMITTED,
     DiskTierLike,
     LowerHits,
     RemoteTierLike,
@@ -164,18 +161,12 @@ class HostTier:
         alone answers it: every hash is here, or no tier lies below. Otherwise None, having
         changed nothing: a tier below must be asked, which may read the disk or the network."""
         check_hashes(hashes)
-        resident: list[tuple[BlockHash, int]] = []
         with self._lock:
-            index, state = self._slots.index, self._slots.state
-            for h in hashes:  # ``ready_slot`` inlined: small notices run here on the event loop
-                slot = index.get(h)
-                if slot is None or state[slot] != READY:
-                    if self._below:
-                        return None
-                    break
-                resident.append((h, slot))
-            pinned = self._mark_read(resident, hold, at_most)
-        return LowerHits(host=len(resident)), pinned
+            slots = self._slots.ready_run(hashes)
+            if len(slots) < len(hashes) and self._below:
+                return None
+            pinned = self._mark_read(hashes[: len(slots)], slots, hold, at_most)
+        return LowerHits(host=len(slots)), pinned
 
     def _lookup(
         self, hashes: Sequence[BlockHash], hold: bool, at_most: int | None = None
@@ -183,16 +174,16 @@ class HostTier:
         check_hashes(hashes)
         hits = LowerHits()
         pos, n = 0, len(hashes)
-        resident: list[tuple[BlockHash, int]] = []
+        hit_hashes: list[BlockHash] = []
+        hit_slots: list[int] = []
         with self._lock:
             table = self._slots
-            index, state = table.index, table.state
             while pos < n:
-                # ``table.ready_slot`` inlined: this loop runs once per hash of every lookup
-                slot = index.get(hashes[pos])
-                if slot is not None and state[slot] == READY:
-                    resident.append((hashes[pos], slot))
-                    pos += 1
+                run = table.ready_run(hashes, pos)
+                if run:
+                    hit_hashes += hashes[pos : pos + len(run)]
+                    hit_slots += run
+                    pos += len(run)
                     continue
                 run = self.lower.lookup_prefix(hashes[pos:]) if self.lower else 0
                 if run == 0:
@@ -200,26 +191,28 @@ class HostTier:
                 for h in hashes[pos : pos + run]:
                     slot = table.ready_slot(h)
                     if slot is not None:
-                        resident.append((h, slot))
+                        hit_hashes.append(h)
+                        hit_slots.append(slot)
                     else:
                         hits.disk += 1
                 pos += run
             self.admission.looked_up(h for h in hashes[pos:] if h not in table.index)
-            pinned = self._mark_read(resident, hold, at_most)
-        hits.host = len(resident)
+            pinned = self._mark_read(hit_hashes, hit_slots, hold, at_most)
+        hits.host = len(hit_slots)
         if pos < n and self.remote is not None:
             hits.remote = self.remote.lookup_prefix(hashes[pos:])
         return hits, pinned
 
     def _mark_read(
-        self, resident: list[tuple[BlockHash, int]], hold: bool, at_most: int | None
+        self, hashes: Sequence[BlockHash], slots: list[int], hold: bool, at_most: int | None
     ) -> list[tuple[BlockHash, int]]:
-        """Pins (``hold``: the first ``at_most``, if given) a lookup's host hits and touches
-        the rest, head last; returns those pinned. Call under the lock."""
-        pinned = resident[:at_most] if hold else []
-        self._slots.touch_all([slot for _, slot in reversed(resident[len(pinned) :])])
-        self._slots.pin_all([slot for _, slot in reversed(pinned)])
-        return pinned
+        """Pins (``hold``: the first ``at_most``, if given) a lookup's host hits (``hashes``
+        in ``slots``) and touches the rest, head last; returns those pinned (hash, slot).
+        Call under the lock."""
+        held = (len(slots) if at_most is None else min(at_most, len(slots))) if hold else 0
+        self._slots.touch_all(slots[held:][::-1])
+        self._slots.pin_all(slots[:held][::-1])
+        return list(zip(hashes[:held], slots[:held], strict=True))
 
     @property
     def writing_behind(self) -> int:
@@ -253,36 +246,36 @@ class HostTier:
         slot is unreadable until ``commit``. ``metas``, if given, holds each block's engine
         metadata, kept with the block in every tier."""
         check_hashes(hashes)
-        if metas and len(metas) != len(hashes):
-            raise ValueError(f"{len(metas)} metas for {len(hashes)} hashes")
-        for meta in metas:
-            if len(meta) > MAX_META_BYTES:
-                raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
-        result: list[int] = []
+        _check_metas(metas, len(hashes))
         with self._lock:
-            index = self._slots.index
-            # One question to the tier below (one read of its index) and one eviction a batch.
-            fresh = {h for h in hashes if h not in index}
-            below = self.lower.holding(list(fresh)) if self.lower is not None and fresh else set()
-            evicted = self._room.make_room(len(fresh - below))
-            if self.lower is not None:
-                below |= evicted  # the tier below has each block evicted (spilled if need be)
-            for i, h in enumerate(hashes):
-                if h in index or h in below:
-                    self.counters.blocks_deduplicated += 1
-                    result.append(ALREADY_STORED)
-                    continue
-                if not self.admission.admit(h):
-                    self.counters.blocks_not_admitted += 1
-                    result.append(NOT_ADMITTED)
-                    continue
-                slot = self._room.take()
-                if slot is None:
-                    result.append(NO_SPACE)
-                    continue
-                self._room.claim(slot, h, metas[i] if metas else b"")
-                result.append(slot)
-        return result
+            return self._room.reserve(hashes, metas)
+
+    def reserve_unnamed(self, count: int) -> list[int]:
+        """Up to ``count`` slots (fewer where none is left to evict), to be written before
+        their hashes are known: each is named by ``commit_named``, or given back by ``abort``.
+        A client that keeps some reserved ahead stores without waiting for a Reserve."""
+        with self._lock:
+            return self._room.reserve_unnamed(count)
+
+    def commit_named(
+        self, slots: Sequence[int], hashes: Sequence[BlockHash], metas: Sequence[bytes] = ()
+    ) -> int:
+        """``commit`` of slots from ``reserve_unnamed``, each named now by its hash in
+        ``hashes`` (and its metadata in ``metas``). A block stored already, here or in the
+        disk tier, or one the admission policy turns away, is not stored: its slot is freed.
+        Returns how many were not stored."""
+        check_hashes(hashes)
+        _check_metas(metas, len(hashes))
+        if len(hashes) != len(slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"commit: {len(hashes)} hashes for {len(slots)} distinct slots")
+        with self._lock:
+            for slot in slots:
+                self._check_state(slot, WRITING, "commit")
+                if self._slots.hash_of(slot) is not None:
+                    raise ValueError(f"commit: slot {slot} was reserved by its hash, not unnamed")
+            named = self._room.name(slots, hashes, metas)
+        self.commit(named)
+        return len(slots) - len(named)
 
     def commit(self, slots: Sequence[int]) -> None:
         """Makes reserved slots readable; their hashes are now stored here.
@@ -295,6 +288,8 @@ class HostTier:
             table = self._slots
             for slot in slots:
                 self._check_state(slot, WRITING, "commit")
+                if table.hash_of(slot) is None:
+                    raise ValueError(f"commit: slot {slot} is unnamed (see commit_named)")
             for slot in reversed(slots):
                 table.state[slot] = READY
                 block_hash, meta = table.hash_of(slot), table.meta.get(slot, b"")
@@ -382,11 +377,8 @@ class HostTier:
     def release(self, slots: Sequence[int]) -> None:
         """Ends reads begun by ``acquire``; a prefix is released tail first into the LRU."""
         with self._lock:
-            for slot in slots:
-                self._check_state(slot, READY, "release")
-                if self._slots.refs[slot] <= 0:
-                    raise ValueError(f"slot {slot} released more often than acquired")
-            self._slots.unpin_all(reversed(slots))
+            self._slots.check_release(slots)
+            self._slots.unpin_all(list(reversed(slots)))
             self._changed.notify_all()
 
     def spill_all(self) -> int:
@@ -398,3 +390,11 @@ class HostTier:
     def _check_state(self, slot: int, want: int, op: str) -> None:
         if not 0 <= slot < self.num_slots or self._slots.state[slot] != want:
             raise ValueError(f"{op}: slot {slot} is not in the state {op} needs")
+
+
+def _check_metas(metas: Sequence[bytes], blocks: int) -> None:
+    if metas and len(metas) != blocks:
+        raise ValueError(f"{len(metas)} metas for {blocks} hashes")
+    for meta in metas:
+        if len(meta) > MAX_META_BYTES:
+            raise ValueError(f"block metadata of {len(meta)} B exceeds {MAX_META_BYTES} B")
