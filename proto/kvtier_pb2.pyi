@@ -39,7 +39,7 @@ class OpenRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ..., lost_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms", "slot_lookups")
+    __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms", "slot_lookups", "reserve_ahead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DAEMON_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class OpenResponse(_message.Message):
     MAX_ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     SLOT_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     daemon_id: str
     arena_path: str
@@ -64,7 +65,8 @@ class OpenResponse(_message.Message):
     max_acquired: int
     lookup_hold_ms: int
     slot_lookups: bool
-    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ..., lookup_hold_ms: _Optional[int] = ..., slot_lookups: _Optional[bool] = ...) -> None: ...
+    reserve_ahead: int
+    def __init__(self, session_id: _Optional[str] = ..., daemon_id: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., lease_ms: _Optional[int] = ..., max_hashes: _Optional[int] = ..., max_reserved: _Optional[int] = ..., max_acquired: _Optional[int] = ..., lookup_hold_ms: _Optional[int] = ..., slot_lookups: _Optional[bool] = ..., reserve_ahead: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -107,16 +109,18 @@ class LookupResponse(_message.Message):
     def __init__(self, host: _Optional[int] = ..., disk: _Optional[int] = ..., remote: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("session_id", "hashes", "metas", "call_id")
+    __slots__ = ("session_id", "hashes", "metas", "call_id", "unnamed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     METAS_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    UNNAMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     hashes: bytes
     metas: _containers.RepeatedScalarFieldContainer[bytes]
     call_id: int
-    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., metas: _Optional[_Iterable[bytes]] = ..., call_id: _Optional[int] = ...) -> None: ...
+    unnamed: int
+    def __init__(self, session_id: _Optional[str] = ..., hashes: _Optional[bytes] = ..., metas: _Optional[_Iterable[bytes]] = ..., call_id: _Optional[int] = ..., unnamed: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("slots",)
@@ -125,18 +129,24 @@ class ReserveResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotsRequest(_message.Message):
-    __slots__ = ("session_id", "slots")
+    __slots__ = ("session_id", "slots", "hashes", "metas")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    METAS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    hashes: bytes
+    metas: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., hashes: _Optional[bytes] = ..., metas: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SlotsResponse(_message.Message):
-    __slots__ = ("count",)
+    __slots__ = ("count", "not_stored")
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    NOT_STORED_FIELD_NUMBER: _ClassVar[int]
     count: int
-    def __init__(self, count: _Optional[int] = ...) -> None: ...
+    not_stored: int
+    def __init__(self, count: _Optional[int] = ..., not_stored: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("session_id", "hashes", "call_id")

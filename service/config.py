@@ -104,6 +104,9 @@ class DaemonConfig:
     """Most of a layout's slots one session may keep pinned (``Pin``, agents' contexts)."""
     lookup_hold_s: float = 5.0
     """How long a lookup's host hits stay pinned for the acquire that follows (0: not)."""
+    reserve_ahead_blocks: int = 64
+    """Slots a session may keep reserved ahead of its stores, unnamed (within its share), so
+    that a store reserves without a round trip (0: every store's Reserve is a call)."""
     admission: str = DEFAULT_POLICY
     """Which offered blocks enter the host tier and which go to disk, one of ``POLICIES``
     (``kvtier.tiers.host.admission``)."""
@@ -146,6 +149,8 @@ class DaemonConfig:
             raise ConfigError("disk_read_delay_ms", "disk_read_delay_ms must be >= 0")
         if self.lookup_hold_s < 0:
             raise ConfigError("lookup_hold_s", "lookup_hold_s must be >= 0")
+        if self.reserve_ahead_blocks < 0:
+            raise ConfigError("reserve_ahead_blocks", "reserve_ahead_blocks must be >= 0")
         if self.admission not in POLICIES:
             raise ConfigError(
                 "admission", f"admission {self.admission!r}: use one of {', '.join(POLICIES)}"

@@ -38,6 +38,7 @@ class Opened:
     store: LayoutStore
     max_reserved: int
     max_acquired: int
+    reserve_ahead: int
 
 
 class Daemon:
@@ -110,7 +111,9 @@ class Daemon:
             signature.hex()[:12],
         )
         quota = self.slot_quota(store)
-        return Opened(session, store, quota, quota)
+        return Opened(
+            session, store, quota, quota, min(self.config.reserve_ahead_blocks, quota // 2)
+        )
 
     def slot_quota(self, store: LayoutStore) -> int:
         """Most slots one session may hold reserved (and, separately, acquired)."""
@@ -216,29 +219,53 @@ class Daemon:
         metas: Sequence[bytes] = (),
         call_id: int = 0,
         peer: str = "",
+        unnamed: int = 0,
     ) -> list[int]:
-        """Slots for the hashes, within the session's quota (beyond it: ``NO_SPACE``)."""
+        """Slots for the hashes, within the session's quota (beyond it: ``NO_SPACE``); or,
+        with no hashes, up to ``unnamed`` slots reserved unnamed (named by their commit)."""
         if len(set(hashes)) != len(hashes):
             raise invalid("Reserve names the same hash twice")
-        if metas and len(metas) != len(hashes):
-            raise invalid(f"{len(metas)} metas for {len(hashes)} hashes")
-        if any(len(m) > MAX_META_BYTES for m in metas):
-            raise invalid(f"a block's meta may be at most {MAX_META_BYTES} bytes")
+        if unnamed and hashes:
+            raise invalid("a Reserve names hashes or asks for unnamed slots, not both")
+        _check_metas(metas, len(hashes))
         session = self.sessions.begin_call(session_id, call_id, peer)
         store = self._store(session)
         room = max(0, self.slot_quota(store) - len(session.reserved))
-        slots = store.reserve(hashes[:room], metas[:room])
-        slots += [NO_SPACE] * (len(hashes) - len(slots))
+        if unnamed:
+            slots = store.reserve_unnamed(min(unnamed, room))
+        else:
+            slots = store.reserve(hashes[:room], metas[:room])
+            slots += [NO_SPACE] * (len(hashes) - len(slots))
         taken = [s for s in slots if s >= 0]
         if not self.sessions.end_call(session_id, call_id, RESERVE, taken):
             store.abort(taken)
             return [NO_SPACE] * len(hashes)
         return slots
 
-    def commit(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
+    def commit(
+        self,
+        session_id: str,
+        slots: Sequence[int],
+        peer: str = "",
+        hashes: Sequence[bytes] = (),
+        metas: Sequence[bytes] = (),
+    ) -> int:
+        """Makes reserved slots readable; slots reserved unnamed are named by ``hashes``
+        (and ``metas``). Returns how many named ones were not stored (held already)."""
+        if hashes and len(hashes) != len(slots):
+            raise invalid(f"a Commit names {len(hashes)} hashes for {len(slots)} slots")
+        _check_metas(metas, len(hashes))
         session = self.sessions.take_reserved(session_id, slots, peer)
-        self._store(session).commit(slots)
+        store = self._store(session)
+        try:
+            not_stored = store.commit_named(slots, hashes, metas) if hashes else store.commit(slots)
+        except ValueError as exc:
+            # Unnamed slots committed without hashes, or the other way round: the tier
+            # changed nothing, and the client loses these blocks, not the slots.
+            store.abort(slots)
+            raise invalid(str(exc)) from exc
         self.pins[session.layout].committed()
+        return not_stored or 0
 
     def abort(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
         session = self.sessions.take_reserved(session_id, slots, peer)
@@ -349,3 +376,10 @@ class Daemon:
             store.abort(left.reserved)
         if left.acquired or left.held:
             store.release(left.acquired + left.held)
+
+
+def _check_metas(metas: Sequence[bytes], blocks: int) -> None:
+    if metas and len(metas) != blocks:
+        raise invalid(f"{len(metas)} metas for {blocks} hashes")
+    if any(len(m) > MAX_META_BYTES for m in metas):
+        raise invalid(f"a block's meta may be at most {MAX_META_BYTES} bytes")

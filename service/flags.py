@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {d.lookup_hold_s}; 0: not at all)",
     )
     add(
+        "--reserve-ahead-blocks",
+        help="slots a session may keep reserved ahead of its stores, so that a store needs "
+        f"no Reserve call (default {d.reserve_ahead_blocks}; 0: none)",
+    )
+    add(
         "--admission",
         choices=POLICIES,
         help="which blocks enter the host tier and which are written to disk: all, "

@@ -163,8 +163,16 @@ class LayoutStore:
         slots = self.host.reserve(hashes, metas)
         return [NO_SPACE if slot == NOT_ADMITTED else slot for slot in slots]
 
+    def reserve_unnamed(self, count: int) -> list[int]:
+        return self.host.reserve_unnamed(count)
+
     def commit(self, slots: Sequence[int]) -> None:
         self.host.commit(slots)
+
+    def commit_named(
+        self, slots: Sequence[int], hashes: Sequence[bytes], metas: Sequence[bytes]
+    ) -> int:
+        return self.host.commit_named(slots, hashes, metas)
 
     def abort(self, slots: Sequence[int]) -> None:
         self.host.abort(slots)

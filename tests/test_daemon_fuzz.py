@@ -4,11 +4,12 @@ Every method gets requests of three kinds, from a fixed seed: well-formed messag
 field values (with and without a real session, so the deep paths run), valid messages with
 random bytes flipped, cut or appended, and plain garbage. ``SlotOps`` streams get batches of
 random operations: any kind or none, another session's, slots out of range, oversized batches,
-garbage ids; the same batches go as frames over the slot channel too, some with a length that
-lies or cut short. Afterwards the daemon must still be SERVING, every call and every operation of a
-stream must have been answered with a status that is not UNKNOWN (an exception of our own
-code), its memory and its log must have grown by a bounded amount, and the blocks another
-client stored before the storm must come back exact.
+garbage ids, slots reserved ahead and Commits naming them; the same batches go as frames over
+the slot channel too, some with a length that lies or cut short. Afterwards the daemon must
+still be SERVING, every call and every operation of a stream must have been answered with a
+status that is not UNKNOWN (an exception of our own code), its memory and its log must have
+grown by a bounded amount, and the blocks another client stored before the storm must come
+back exact.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Fuzzer:
             case "Lookup":
                 return pb.LookupRequest(session_id=self.session(), hashes=self.hashes())
             case "Reserve":
-                packed = self.hashes()
+                unnamed = r.random() < 0.3  # slots reserved ahead, with no hashes (or some)
+                packed = self.hashes() if not unnamed or r.random() < 0.2 else b""
                 n = len(packed) // 16
                 metas = [r.randbytes(r.choice([0, 10, 5000])) for _ in range(r.choice([0, n, 1]))]
                 return pb.ReserveRequest(
@@ -91,10 +93,17 @@ class Fuzzer:
                     hashes=packed,
                     metas=metas,
                     call_id=r.randrange(2**64),
+                    unnamed=r.choice([1, 5, 2**32 - 1]) if unnamed else 0,
                 )
             case "Commit" | "Abort" | "Release":
                 slots = [r.choice([*self.slots, r.randrange(2**32)]) for _ in range(r.randrange(9))]
-                return pb.SlotsRequest(session_id=self.session(), slots=slots)
+                request = pb.SlotsRequest(session_id=self.session(), slots=slots)
+                if name == "Commit" and r.random() < 0.3:  # naming slots reserved ahead
+                    request.hashes = r.choice([r.randbytes(16 * len(slots)), self.hashes()])
+                    request.metas.extend(
+                        r.randbytes(r.choice([0, 9])) for _ in range(r.choice([0, len(slots), 1]))
+                    )
+                return request
             case "Acquire":
                 return pb.AcquireRequest(
                     session_id=self.session(), hashes=self.hashes(), call_id=r.randrange(2**64)

@@ -18,7 +18,6 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from functools import partial
 
 import grpc
 
@@ -28,14 +27,15 @@ from kvtier.connector.client.later import LaterCalls
 from kvtier.connector.client.lookups import LookupCalls
 from kvtier.connector.client.session import SessionKeeper, SlotLedger
 from kvtier.connector.client.slot_stream import SlotCalls
+from kvtier.connector.client.stores import Committed, StoreCalls
 from kvtier.connector.client.tools import ToolCalls
-from kvtier.connector.client.wire import meta_chunks, pack_hashes
+from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.lower import NO_SPACE, LowerHits
+from kvtier.tiers.lower import LowerHits
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ class DaemonClient:
     a client that only looks up (a scheduler process): ``slab`` then stays empty. Clients of
     one engine name the same ``engine_group``: the host hits one's lookup holds are then
     handed over to another's acquire. ``lookup_index=True`` answers lookups from the daemon's
-    shared-memory index (``lookups``); ``slot_stream``, ``slot_channel``: see ``SlotCalls``."""
+    shared-memory index (``lookups``); ``slot_stream``, ``slot_channel``: see ``SlotCalls``.
+    ``reserve_ahead=True`` keeps slots reserved ahead of the stores where the daemon offers
+    it (``stores``): a store then waits for no Reserve, but a block the daemon holds already
+    is copied before its Commit finds that out (``commit_later``'s ``not_stored``)."""
 
     def __init__(
         self,
@@ -82,6 +85,7 @@ class DaemonClient:
         lookup_index: bool = False,
         slot_stream: bool = True,
         slot_channel: bool = True,
+        reserve_ahead: bool = False,
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -94,6 +98,7 @@ class DaemonClient:
         self.client_name = client_name or f"pid-{os.getpid()}"
         self.timeout_s = timeout_s
         self.load_gbps = load_gbps
+        self.reserves_ahead = reserve_ahead
         self._chunk_blocks = max(1, chunk_bytes // block_bytes)
         self.counters = TierCounters("host")
         self.failures = 0
@@ -129,6 +134,7 @@ class DaemonClient:
             metadata=self._metadata,
             timeout_s=timeout_s,
             on_open=self.breaker.close,
+            on_lose=lambda: self._stores.ahead.drop(),
         )
         self.slot_calls = SlotCalls(
             self._stub, self._keeper, self._metadata, self.target, slot_stream, slot_channel
@@ -165,6 +171,7 @@ class DaemonClient:
             failed=self._failed,
             give_up=self._keeper.give_up,
         )
+        self._stores = StoreCalls(self)
 
     # ---- state ----
 
@@ -240,33 +247,9 @@ class DaemonClient:
         self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None = None
     ) -> list[int]:
         """A slot per hash, ``ALREADY_STORED`` or ``NO_SPACE``; ``metas`` (one per hash) is
-        the engine's identity of each block, kept with it and echoed in block events."""
-        slots = [NO_SPACE] * len(hashes)
-        session = self._usable(bool(hashes))
-        if session is None or not self._later.settle_for_next(self.timeout_s):
-            return slots
-        limits = self._keeper.limits
-        room = max(0, limits.max_reserved - len(self._ledger.reserved))
-        for start, end in meta_chunks(hashes[:room], metas, limits.max_hashes):
-            call_id = next(self._call_ids)
-            request = pb.ReserveRequest(
-                session_id=session,
-                hashes=pack_hashes(hashes[start:end]),
-                metas=metas[start:end] if metas else (),
-                call_id=call_id,
-            )
-            try:
-                reply = self.slot_calls.call("Reserve", request, self.timeout_s)
-            except grpc.RpcError as exc:
-                repair = self._later.canceller(session, call_id)
-                self._failed("Reserve", exc, session, repair=repair)
-                break
-            with self._lock:
-                if self._keeper.session != session:
-                    break  # the session ended; the daemon aborted these
-                self._ledger.reserved.update(s for s in reply.slots if s >= 0)
-            slots[start:end] = reply.slots
-        return slots
+        the engine's identity of each block, kept with it and echoed in block events. Slots
+        the session reserved ahead answer it at once where there are enough (``ahead``)."""
+        return self._stores.reserve(hashes, metas)
 
     def commit(self, slots: Sequence[int]) -> bool:
         """Makes the slots readable; True once the daemon confirmed every one of them.
@@ -274,40 +257,14 @@ class DaemonClient:
         False means some were not stored (counted in ``failures``); the engine may go on.
         Slots go in chunks of ``chunk_blocks``: a chunk that fails costs that chunk only.
         """
-        if not slots:
-            return True
-        with self._lock:
-            self._ledger.take_reserved(slots)
-            session = self._keeper.session
-        if session is None:
-            self.failures += 1
-            return False
-        step = self.chunk_blocks
-        chunks = [slots[i : i + step] for i in range(0, len(slots), step)]
-        return all([self._commit_chunk(session, chunk) for chunk in chunks])  # every chunk runs
+        return self._stores.commit(slots)
 
-    def _commit_chunk(self, session: str, chunk: Sequence[int]) -> bool:
-        # Commit is bookkeeping (the disk writes happen behind it): its deadline does not
-        # grow with the chunk's bytes.
-        if self._keeper.session != session:
-            return False  # the session ended; the daemon aborted its reserved slots
-        if not self.breaker.allow():
-            self.failures += 1
-            self._later.send("Abort", session, chunk, tolerate_gone=True)
-            return False
-        request = pb.SlotsRequest(session_id=session, slots=chunk)
-        try:
-            self.slot_calls.call("Commit", request, self.timeout_s)
-        except grpc.RpcError as exc:
-            # A late chunk may have been committed after all: its Abort is then refused
-            # (tolerated) and the blocks stay readable, which is as good.
-            repair = partial(self._later.send, "Abort", session, chunk, tolerate_gone=True)
-            self._failed("Commit", exc, session, repair=repair)
-            return False
-        return True
+    def commit_later(self, slots: Sequence[int], then: Committed | None = None) -> None:
+        """``commit`` without waiting: ``then(ok, not_stored)`` once the daemon answered."""
+        self._stores.commit_later(slots, then)
 
     def abort(self, slots: Sequence[int]) -> None:
-        self._finish("Abort", slots, self._ledger.take_reserved)
+        self._stores.abort(slots)
 
     def acquire(self, hashes: Sequence[BlockHash]) -> list[int]:
         return self.acquire_with_sources(hashes)[0]

@@ -1,5 +1,5 @@
-"""Calls the daemon client sends without waiting: Release, Abort and the Cancel that repairs
-a failed Reserve or Acquire.
+"""Calls the daemon client sends without waiting: Release, Abort, the Cancel that repairs a
+failed Reserve or Acquire, and a Commit whose caller does not wait (``commit``).
 
 Their answers matter only to the next Reserve or Acquire, which must see the room they made:
 it waits for those it does not follow on the same stream (``settle_for_next``). A release or
@@ -13,6 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import grpc
 
@@ -21,8 +22,9 @@ from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.tunables import TUNABLES
 from kvtier.proto import kvtier_pb2 as pb
 
-Failed = Callable[[str, grpc.RpcError, str], None]
-"""Counts a failed call of this method on this session (the client's ``_failed``)."""
+Failed = Callable[..., None]
+"""Counts a failed call of this method on this session, and repairs what it may have changed
+(the client's ``_failed(method, error, session, repair=None)``)."""
 GiveUp = Callable[[str, str], None]
 """Ends this session, saying why (``SessionKeeper.give_up``)."""
 
@@ -69,6 +71,27 @@ class LaterCalls:
                 return
             self._failed(method, exc, session)
             self._give_up(session, f"{method} failed ({exc.code().name})")
+
+        self._track(future, settled)
+
+    def commit(
+        self, session: str, request: pb.SlotsRequest, then: Callable[[bool, int], None]
+    ) -> None:
+        """Sends a Commit; ``then(ok, not_stored)`` once it is answered. A failed one's slots
+        are aborted (a late commit may have landed after all: its abort is then refused,
+        which is as good)."""
+        future = self._calls.future("Commit", request, self._timeout, polled=True)
+
+        def settled(future) -> None:
+            self._forget(future)
+            exc = None if future.cancelled() else future.exception()
+            if exc is None and not future.cancelled():
+                then(True, future.result().not_stored)
+                return
+            if exc is not None:
+                repair = partial(self.send, "Abort", session, list(request.slots), True)
+                self._failed("Commit", exc, session, repair=repair)
+            then(False, 0)
 
         self._track(future, settled)
 

@@ -50,6 +50,8 @@ class Limits:
     """How long the daemon holds a lookup's host hits for this session's acquire."""
     slot_lookups: bool = False
     """Whether a lookup may go over the session's slot channel or stream (else a call)."""
+    reserve_ahead: int = 0
+    """How many slots the session may keep reserved ahead of its stores (``ahead``)."""
 
 
 class SlotLedger:
@@ -99,6 +101,7 @@ class SessionKeeper:
         metadata,
         timeout_s: float,
         on_open: Callable[[], None] = lambda: None,
+        on_lose: Callable[[], None] = lambda: None,
     ):
         self._stub = stub
         self._request = request
@@ -109,6 +112,7 @@ class SessionKeeper:
         self._metadata = metadata
         self._timeout_s = timeout_s
         self._on_open = on_open
+        self._on_lose = on_lose
         self.session: str | None = None
         self.limits = Limits()
         self.sessions_opened = 0
@@ -253,6 +257,7 @@ class SessionKeeper:
                 opened.max_acquired or Limits.max_acquired,
                 opened.lookup_hold_ms / 1000,
                 opened.slot_lookups,
+                opened.reserve_ahead,
             )
             self.sessions_opened += 1
             self._ledger.changed.notify_all()
@@ -277,8 +282,9 @@ class SessionKeeper:
             self._ledger.changed.notify_all()
 
     def _lose(self, session: str) -> None:
-        """Counts a session that ended under the client and keeps it for the next Open to
-        name; call with the lock held."""
+        """Counts a session that ended under the client, keeps it for the next Open to name
+        and tells ``on_lose``; call with the lock held."""
         self.lost += 1
         self._unnamed.append(session)
         del self._unnamed[:-_MAX_LOST]
+        self._on_lose()

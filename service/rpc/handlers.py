@@ -25,14 +25,15 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KvTier"]
 _HASHES = MAX_HASHES * HASH_BYTES + (64 << 10)
 _SLOTS = MAX_HASHES * 6 + (64 << 10)
 RESERVE_META_BYTES = 32 << 20
-"""Most engine metadata bytes one ``Reserve`` may carry (clients split larger batches)."""
+"""Most engine metadata bytes one ``Reserve``, or a ``Commit`` naming its slots, may carry
+(clients split larger batches)."""
 REQUEST_LIMITS = {
     "Lookup": _HASHES,
     "Acquire": _HASHES,
     "Get": _HASHES,
     "Pin": _HASHES,
     "Reserve": _HASHES + RESERVE_META_BYTES,
-    "Commit": _SLOTS,
+    "Commit": _SLOTS + _HASHES + RESERVE_META_BYTES,  # it may name unnamed slots
     "Abort": _SLOTS,
     "Release": _SLOTS,
     "Put": MAX_MESSAGE_BYTES,

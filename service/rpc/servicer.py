@@ -146,6 +146,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
             max_acquired=opened.max_acquired,
             lookup_hold_ms=int(self.daemon.config.lookup_hold_s * 1000),
             slot_lookups=True,
+            reserve_ahead=opened.reserve_ahead,
         )
 
     @unary
@@ -231,19 +232,22 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 list(request.metas),
                 request.call_id,
                 peer,
+                request.unnamed,
             ),
-            heavy=below or _heavy(request.hashes),
+            heavy=below or _heavy(request.hashes) or request.unnamed > TUNABLES.inline_batch,
         )
         return pb.ReserveResponse(slots=slots)
 
     async def commit(self, request: pb.SlotsRequest, peer: str) -> pb.SlotsResponse:
         slots = self._slots(request)
-        await self._run(
-            functools.partial(self.daemon.commit, request.session_id, slots, peer),
+        not_stored = await self._run(
+            lambda: self.daemon.commit(
+                request.session_id, slots, peer, self._hashes(request), list(request.metas)
+            ),
             heavy=len(slots) > TUNABLES.inline_batch
             or self.daemon.below_host(request.session_id, peer),
         )
-        return pb.SlotsResponse(count=len(slots))
+        return pb.SlotsResponse(count=len(slots), not_stored=not_stored)
 
     async def abort(self, request: pb.SlotsRequest, peer: str) -> pb.SlotsResponse:
         slots = self._slots(request)

@@ -1,0 +1,210 @@
+"""The daemon client's stores: Reserve, Commit and Abort, with slots reserved ahead.
+
+A store takes its slots from those its session holds reserved ahead where there are enough
+(``ahead``: no round trip), else reserves them by hash. Its Commit names the slots taken ahead
+with their hashes; it waits for the daemon (``commit``) or not (``commit_later``, whose answer
+comes to a callback). Commits go in chunks of ``chunk_blocks``, a failed chunk costing that
+chunk only: its slots are aborted (a late commit may have landed after all; its abort is then
+refused, which is as good).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from itertools import count
+from typing import Protocol
+
+import grpc
+
+from kvtier.connector.client.ahead import ReservedAhead
+from kvtier.connector.client.circuit import CircuitBreaker
+from kvtier.connector.client.later import LaterCalls
+from kvtier.connector.client.session import SessionKeeper, SlotLedger
+from kvtier.connector.client.slot_stream import SlotCalls
+from kvtier.connector.client.wire import meta_chunks, pack_hashes
+from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.counters import TierCounters
+from kvtier.tiers.hashing import BlockHash
+from kvtier.tiers.lower import NO_SPACE
+
+Committed = Callable[[bool, int], None]
+"""Hears how a commit sent without waiting went: whether every block of it was committed,
+and how many of its blocks were not stored (a tier held them already)."""
+
+
+class Client(Protocol):
+    """What the stores use of their ``DaemonClient``."""
+
+    failures: int
+    counters: TierCounters
+    breaker: CircuitBreaker
+    slot_calls: SlotCalls
+    timeout_s: float
+    reserves_ahead: bool
+    chunk_blocks: int
+    _lock: threading.Lock
+    _ledger: SlotLedger
+    _keeper: SessionKeeper
+    _later: LaterCalls
+    _call_ids: count
+
+    def _usable(self, counts: bool) -> str | None: ...
+    def _failed(self, method: str, exc: grpc.RpcError, session: str | None, repair=None): ...
+    def _finish(self, method: str, slots: Sequence[int], take: Callable) -> None: ...
+
+
+class StoreCalls:
+    """``DaemonClient``'s ``reserve``, ``commit``, ``commit_later`` and ``abort``."""
+
+    def __init__(self, client: Client):
+        self._client = client
+        self.ahead = ReservedAhead(
+            client.slot_calls,
+            client._lock,
+            client._ledger,
+            client._later,
+            client._call_ids,
+            client._failed,
+            client.timeout_s,
+        )
+
+    def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None) -> list[int]:
+        c = self._client
+        slots = [NO_SPACE] * len(hashes)
+        session = c._usable(bool(hashes))
+        if session is None:
+            return slots
+        limits = c._keeper.limits
+        ahead = limits.reserve_ahead if c.reserves_ahead else 0
+        taken = self.ahead.take(session, hashes, metas, ahead)
+        if taken is not None:
+            return taken
+        if not c._later.settle_for_next(c.timeout_s):
+            return slots
+        room = max(0, limits.max_reserved - len(c._ledger.reserved))
+        for start, end in meta_chunks(hashes[:room], metas, limits.max_hashes):
+            call_id = next(c._call_ids)
+            request = pb.ReserveRequest(
+                session_id=session,
+                hashes=pack_hashes(hashes[start:end]),
+                metas=metas[start:end] if metas else (),
+                call_id=call_id,
+            )
+            try:
+                reply = c.slot_calls.call("Reserve", request, c.timeout_s)
+            except grpc.RpcError as exc:
+                repair = c._later.canceller(session, call_id)
+                c._failed("Reserve", exc, session, repair=repair)
+                break
+            with c._lock:
+                if c._keeper.session != session:
+                    break  # the session ended; the daemon aborted these
+                c._ledger.reserved.update(s for s in reply.slots if s >= 0)
+            slots[start:end] = reply.slots
+        return slots
+
+    def commit(self, slots: Sequence[int]) -> bool:
+        if not slots:
+            return True
+        session, requests = self._requests(slots)
+        if session is None:
+            c = self._client
+            c.failures += 1
+            return False
+        return all([self._commit_chunk(session, request) for request in requests])
+
+    def commit_later(self, slots: Sequence[int], then: Committed | None) -> None:
+        c = self._client
+        if not slots:
+            if then is not None:
+                then(True, 0)
+            return
+        session, requests = self._requests(slots)
+        if session is None:
+            c.failures += 1
+            if then is not None:
+                then(False, 0)
+            return
+        outcome = _Outcome(len(requests), c.counters, then)
+        for request in requests:
+            if not c.breaker.allow():
+                c.failures += 1
+                c._later.send("Abort", session, list(request.slots), tolerate_gone=True)
+                outcome.add(False, 0)
+            else:
+                c._later.commit(session, request, outcome.add)
+
+    def abort(self, slots: Sequence[int]) -> None:
+        def take(slots: Sequence[int]) -> None:
+            self._client._ledger.take_reserved(slots)
+            self.ahead.names(slots)
+
+        self._client._finish("Abort", slots, take)
+
+    def _requests(self, slots: Sequence[int]) -> tuple[str | None, list[pb.SlotsRequest]]:
+        """The live session and the Commit requests, in chunks, of ``slots`` (taken from
+        the ledger: committed or failed, they are the daemon's from now on)."""
+        c = self._client
+        with c._lock:
+            c._ledger.take_reserved(slots)
+            names = self.ahead.names(slots)
+            session = c._keeper.session
+        if session is None:
+            return None, []
+        step = c.chunk_blocks
+        requests = []
+        for group in ([s for s in slots if s not in names], [s for s in slots if s in names]):
+            for start in range(0, len(group), step):
+                chunk = group[start : start + step]
+                request = pb.SlotsRequest(session_id=session, slots=chunk)
+                if chunk[0] in names:
+                    request.hashes = pack_hashes([names[s][0] for s in chunk])
+                    metas = [names[s][1] for s in chunk]
+                    if any(metas):
+                        request.metas.extend(metas)
+                requests.append(request)
+        return session, requests
+
+    def _commit_chunk(self, session: str, request: pb.SlotsRequest) -> bool:
+        # Commit is bookkeeping (the disk writes happen behind it): its deadline does not
+        # grow with the chunk's bytes.
+        c = self._client
+        if c._keeper.session != session:
+            return False  # the session ended; the daemon aborted its reserved slots
+        chunk = list(request.slots)
+        if not c.breaker.allow():
+            c.failures += 1
+            c._later.send("Abort", session, chunk, tolerate_gone=True)
+            return False
+        try:
+            reply = c.slot_calls.call("Commit", request, c.timeout_s)
+        except grpc.RpcError as exc:
+            repair = partial(c._later.send, "Abort", session, chunk, tolerate_gone=True)
+            c._failed("Commit", exc, session, repair=repair)
+            return False
+        c.counters.blocks_deduplicated += reply.not_stored
+        return True
+
+
+class _Outcome:
+    """Gathers a commit's chunks' answers (on whichever threads they come) for its ``then``."""
+
+    def __init__(self, chunks: int, counters: TierCounters, then: Committed | None):
+        self._lock = threading.Lock()
+        self._left = chunks
+        self._ok = True
+        self._not_stored = 0
+        self._counters = counters
+        self._then = then
+
+    def add(self, ok: bool, not_stored: int) -> None:
+        with self._lock:
+            self._ok &= ok
+            self._not_stored += not_stored
+            self._counters.blocks_deduplicated += not_stored
+            self._left -= 1
+            done = not self._left
+        if done and self._then is not None:
+            self._then(self._ok, self._not_stored)
