@@ -17,7 +17,8 @@ leave the ledger at once (``drop``) instead of waiting for the engine to hand th
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import count
 
 import grpc
@@ -41,7 +42,10 @@ class ReservedAhead:
         call_ids: count,
         failed: Failed,
         timeout_s: float,
+        send: Callable[[Callable[[], None]], None],
     ):
+        """``send(fn)`` runs ``fn`` (which sends a Reserve for more) on the stores' sender
+        thread, off the engine's."""
         self._calls = calls
         self._lock = lock
         self._ledger = ledger
@@ -49,6 +53,7 @@ class ReservedAhead:
         self._call_ids = call_ids
         self._failed = failed
         self._timeout_s = timeout_s
+        self._send = send
         self._spare: list[int] = []
         """Reserved unnamed, not taken (all in ``ledger.reserved``)."""
         self._session: str | None = None
@@ -81,7 +86,7 @@ class ReservedAhead:
             ask = ahead > 0 and not self._asking and len(self._spare) <= ahead // 2
             self._asking |= ask
         if ask:
-            self._ask(session, wanted)
+            self._send(partial(self._ask, session, wanted))
         return taken
 
     def names(self, slots: Sequence[int]) -> dict[int, tuple[BlockHash, bytes]]:

@@ -218,6 +218,7 @@ class DaemonClient:
         """Ends the session (the daemon gets back any slot still held) and the channel."""
         leave_breaker(self.target, self.breaker, self._probe, self._end_lookups)
         self._lookups.close()
+        self._stores.close()
         self._keeper.close()
         self.slot_calls.close()
         self._channel.close()
@@ -260,7 +261,8 @@ class DaemonClient:
         return self._stores.commit(slots)
 
     def commit_later(self, slots: Sequence[int], then: Committed | None = None) -> None:
-        """``commit`` without waiting: ``then(ok, not_stored)`` once the daemon answered."""
+        """``commit`` without waiting, sent from the client's own thread: ``then(ok,
+        not_stored)`` once the daemon answered; ``settle`` waits for that."""
         self._stores.commit_later(slots, then)
 
     def abort(self, slots: Sequence[int]) -> None:
@@ -311,7 +313,7 @@ class DaemonClient:
         """Waits until the daemon has answered every call sent without waiting; False (and
         the breaker opened) if it has not within ``timeout``. Reserve and acquire first wait
         so for those not ahead of them on their stream (``LaterCalls.settle_for_next``)."""
-        return self._later.settle(timeout)
+        return self._stores.settle(timeout) and self._later.settle(timeout)
 
     # ---- internals ----
 
