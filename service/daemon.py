@@ -111,9 +111,9 @@ class Daemon:
             signature.hex()[:12],
         )
         quota = self.slot_quota(store)
-        return Opened(
-            session, store, quota, quota, min(self.config.reserve_ahead_blocks, quota // 2)
-        )
+        # A small tier keeps its slots for blocks: a thirty-second of them ahead at most.
+        ahead = min(self.config.reserve_ahead_blocks, store.num_slots // 32)
+        return Opened(session, store, quota, quota, ahead)
 
     def slot_quota(self, store: LayoutStore) -> int:
         """Most slots one session may hold reserved (and, separately, acquired)."""

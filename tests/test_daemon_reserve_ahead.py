@@ -1,7 +1,8 @@
 """Slots reserved ahead of the stores (``DaemonClient(reserve_ahead=True)``), against a real
 daemon: a store reserves without a call and its Commit names the slots; a block stored
-already is copied but stored once; a lost session's spare slots come back and the client
-reconnects; a Commit that names its slots wrongly is refused and leaks nothing."""
+already is copied but stored once, or not copied where the client reads the lookup index; a
+lost session's spare slots come back and the client reconnects; a Commit that names its slots
+wrongly is refused and leaks nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 import pytest
 
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.tiers.lower import ALREADY_STORED
 
 from daemonutil import (
     BLOCK_BYTES,
@@ -26,7 +28,7 @@ AHEAD = 16
 
 @pytest.fixture(scope="module")
 def daemon():
-    d = Daemon(host_bytes=256 * BLOCK_BYTES, extra=["--reserve-ahead-blocks", str(AHEAD)])
+    d = Daemon(host_bytes=32 * AHEAD * BLOCK_BYTES, extra=["--reserve-ahead-blocks", str(AHEAD)])
     d.start()
     yield d
     assert d.stop() == 0, d.log.read_text()
@@ -115,3 +117,20 @@ def test_a_commit_that_names_its_slots_wrongly_is_refused_and_leaks_nothing(daem
             stub.Close(pb.SessionRequest(session_id=session), timeout=10)
     held = daemon.stats()
     assert held.reserved_slots == 0, held
+
+
+def test_a_client_reading_the_index_copies_no_block_it_says_is_stored(daemon):
+    with (
+        daemon.client() as other,
+        daemon.client(reserve_ahead=True, lookup_index=True) as client,
+    ):
+        blocks = [block_hash("indexed", i) for i in range(4)]
+        assert store(other, blocks[1:3]) == blocks[1:3]
+        reserved_ahead(client, "indexed")
+        slots = client.reserve(blocks)
+        assert [s == ALREADY_STORED for s in slots] == [False, True, True, False]
+        assert len(client._stores.ahead) == AHEAD - 2  # the stored ones took no slot
+        for h, slot in zip(blocks[::3], slots[::3], strict=True):
+            client.slab[slot].numpy()[:] = content(h)
+        assert client.commit(slots[::3])
+        assert load(client, blocks) == blocks

@@ -12,7 +12,9 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   Lookup unwaited, as the connector's scheduler does (``--no-lookup-index``: every Lookup a
   call the client waits for);
 * ``store_control_us``: one client's ``--batch``-block store, its time beyond the copies
-  (the Reserve and Commit calls), median of ``--rounds``;
+  (the Reserve and Commit calls), median of ``--rounds``; ``store_control_ahead_us`` the
+  same for a client that reserves ahead (``DaemonClient(reserve_ahead=True)``: its Reserve
+  takes slots it holds already, no call) and sends each Commit without waiting;
 * ``--lookup-clients`` processes each time ``--lookups`` lookups of ``--hashes`` hashes that
   the index does not answer, back to back (``lookup_*_ms``): p50/p99 latency and aggregate
   lookups per second at full tilt, beside ``rpc_floor_p50_ms``: the daemon's bare health
@@ -176,9 +178,15 @@ def start_daemon(
     return daemon, contract.unix_target(socket)
 
 
-def connect(target: str, block_bytes: int, root: Path) -> DaemonClient:
+def connect(target: str, block_bytes: int, root: Path, reserve_ahead: bool = False) -> DaemonClient:
     client = DaemonClient(
-        SIGNATURE, block_bytes, block_tokens=16, target=target, timeout_s=30, client_name="bench"
+        SIGNATURE,
+        block_bytes,
+        block_tokens=16,
+        target=target,
+        timeout_s=30,
+        client_name="bench",
+        reserve_ahead=reserve_ahead,
     )
     if not client.wait_connected(60):
         raise RuntimeError(f"daemon did not come up: {(root / 'daemon.log').read_text()}")
@@ -268,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
                 if not client.commit(client.reserve(chunk)):
                     raise RuntimeError("could not store the lookup blocks")
             control_us = store_control_us(client, args.batch, args.rounds)
+            ahead = connect(target, block_bytes, root / "host-only", reserve_ahead=True)
+            control_ahead_us = store_control_us(ahead, args.batch, args.rounds, later=True)
+            ahead.close()
             plan = MixPlan(
                 target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index
             )
@@ -308,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_client": args.rate,
         **mix,
         "store_control_us": control_us,
+        "store_control_ahead_us": control_ahead_us,
         **floors,
         **per_block,
         **lookups,

@@ -190,9 +190,10 @@ def _request(
     return lookup_s, [load_s, timed_store(client, rows)]
 
 
-def timed_store(client: DaemonClient, rows: torch.Tensor) -> float:
-    """Stores ``rows`` as new blocks (Reserve, a copy per block, Commit); returns the seconds
-    of its Reserve and Commit calls, the copies between them not counted."""
+def timed_store(client: DaemonClient, rows: torch.Tensor, later: bool = False) -> float:
+    """Stores ``rows`` as new blocks (Reserve, a copy per block, Commit; ``later``: the
+    Commit sent without waiting); returns the seconds of its Reserve and Commit, the copies
+    between them not counted."""
     hashes = [uuid.uuid4().bytes for _ in range(rows.shape[0])]  # the engine's, not a call's
     t0 = time.perf_counter()
     slots = client.reserve(hashes)
@@ -202,17 +203,22 @@ def timed_store(client: DaemonClient, rows: torch.Tensor) -> float:
     for row, slot in zip(rows, slots, strict=True):
         client.slab[slot].copy_(row)
     t0 = time.perf_counter()
-    if not client.commit(slots):
+    if later:
+        client.commit_later(slots)
+    elif not client.commit(slots):
         raise RuntimeError("commit failed")
     return reserved + time.perf_counter() - t0
 
 
-def store_control_us(client: DaemonClient, batch: int, stores: int) -> float:
+def store_control_us(client: DaemonClient, batch: int, stores: int, later: bool = False) -> float:
     """Median client time of a ``batch``-block store beyond its copies: its Reserve and
-    Commit calls, in microseconds (the copies run between them and are not counted)."""
+    Commit, in microseconds (the copies run between them and are not counted); ``later``:
+    each Commit sent without waiting, and every one of them confirmed at the end."""
     rows = torch.randint(0, 256, (batch, client.block_bytes), dtype=torch.uint8)
     # the first store warms the slots it lands in
-    times = [timed_store(client, rows) for _ in range(stores + 1)]
+    times = [timed_store(client, rows, later) for _ in range(stores + 1)]
+    if not client.settle(60) or client.failures:
+        raise RuntimeError(f"stores failed: {client.failures} failed calls")
     return statistics.median(times[1:]) * 1e6
 
 

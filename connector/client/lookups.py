@@ -161,12 +161,7 @@ class LookupCalls:
         packed = pack_hashes(hashes)
         if not self._use_index:
             return packed
-        if self._index_session != session:
-            # a new session may be a new daemon with a new index at the same path
-            if self._index is not None:
-                self._index.close()
-            self._index = LookupIndexReader(index_path(self._socket, self._signature))
-            self._index_session = session
+        self._index_for(session)
         count = len(packed) // HASH_BYTES
         # The call tells the daemon how many host hits the probe found in each of its chunks:
         # the count says it for a lookup of one chunk, a tier byte per hash for several.
@@ -178,6 +173,20 @@ class LookupCalls:
         self.probed += 1
         self._notify((session, packed, found.host, tier_bits))
         return LowerHits(host=found.host, disk=found.held - found.host)
+
+    def held(self, session: str, hashes: Sequence[BlockHash]) -> np.ndarray | None:
+        """Each hash's tier bits in the daemon's lookup index (0: no tier holds it), a hint
+        as every probe is; None where there is no index to read."""
+        return self._index_for(session).probe(hashes) if self._use_index else None
+
+    def _index_for(self, session: str) -> LookupIndexReader:
+        if self._index_session != session:
+            # a new session may be a new daemon with a new index at the same path
+            if self._index is not None:
+                self._index.close()
+            self._index = LookupIndexReader(index_path(self._socket, self._signature))
+            self._index_session = session
+        return self._index
 
     def _call(
         self,

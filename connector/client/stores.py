@@ -19,17 +19,19 @@ from itertools import count
 from typing import Protocol
 
 import grpc
+import numpy as np
 
 from kvtier.connector.client.ahead import ReservedAhead
 from kvtier.connector.client.circuit import CircuitBreaker
 from kvtier.connector.client.later import LaterCalls
+from kvtier.connector.client.lookups import LookupCalls
 from kvtier.connector.client.session import SessionKeeper, SlotLedger
 from kvtier.connector.client.slot_stream import SlotCalls
 from kvtier.connector.client.wire import meta_chunks, pack_hashes
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.tiers.counters import TierCounters
 from kvtier.tiers.hashing import BlockHash
-from kvtier.tiers.lower import NO_SPACE
+from kvtier.tiers.lower import ALREADY_STORED, NO_SPACE
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class Client(Protocol):
     _ledger: SlotLedger
     _keeper: SessionKeeper
     _later: LaterCalls
+    _lookups: LookupCalls
     _call_ids: count
 
     def _usable(self, counts: bool) -> str | None: ...
@@ -65,6 +68,9 @@ class StoreCalls:
     def __init__(self, client: Client):
         self._client = client
         self._outbox = Outbox()
+        self._answered = threading.Condition()
+        self._unanswered = 0
+        """Commits sent without waiting whose ``then`` has not run yet."""
         self.ahead = ReservedAhead(
             client.slot_calls,
             client._lock,
@@ -77,7 +83,11 @@ class StoreCalls:
         )
 
     def settle(self, timeout: float | None) -> bool:
-        """Waits until every commit sent without waiting has left (``Outbox``)."""
+        """Waits until every commit sent without waiting has been answered and told its
+        ``then``, and every Reserve for more has left; False after ``timeout``."""
+        with self._answered:
+            if not self._answered.wait_for(lambda: not self._unanswered, timeout):
+                return False
         return self._outbox.drain(timeout)
 
     def close(self) -> None:
@@ -91,7 +101,7 @@ class StoreCalls:
             return slots
         limits = c._keeper.limits
         ahead = limits.reserve_ahead if c.reserves_ahead else 0
-        taken = self.ahead.take(session, hashes, metas, ahead)
+        taken = self._take_ahead(session, hashes, metas, ahead) if ahead else None
         if taken is not None:
             return taken
         if not c._later.settle_for_next(c.timeout_s):
@@ -118,6 +128,30 @@ class StoreCalls:
             slots[start:end] = reply.slots
         return slots
 
+    def _take_ahead(
+        self, session: str, hashes: Sequence[BlockHash], metas: Sequence[bytes] | None, ahead: int
+    ) -> list[int] | None:
+        """``reserve`` from the slots reserved ahead, or None. Where the client reads the
+        daemon's lookup index, a block it says a tier holds is ``ALREADY_STORED`` and takes
+        no slot (not copied); one stored since is copied and then freed by its Commit."""
+        held = self._client._lookups.held(session, hashes)
+        if held is None or not held.any():
+            return self.ahead.take(session, hashes, metas, ahead)
+        fresh = np.flatnonzero(held == 0).tolist()
+        slots = [ALREADY_STORED] * len(hashes)
+        if fresh:
+            taken = self.ahead.take(
+                session,
+                [hashes[i] for i in fresh],
+                [metas[i] for i in fresh] if metas else None,
+                ahead,
+            )
+            if taken is None:
+                return None
+            for i, slot in zip(fresh, taken, strict=True):
+                slots[i] = slot
+        return slots
+
     def commit(self, slots: Sequence[int]) -> bool:
         if not slots:
             return True
@@ -140,7 +174,9 @@ class StoreCalls:
             if then is not None:
                 then(False, 0)
             return
-        outcome = _Outcome(len(requests), c.counters, then)
+        with self._answered:
+            self._unanswered += 1
+        outcome = _Outcome(len(requests), c.counters, partial(self._told, then))
         self._outbox.put(partial(self._send_commits, session, requests, outcome))
 
     def _send_commits(
@@ -154,6 +190,15 @@ class StoreCalls:
                 outcome.add(False, 0)
             else:
                 c._later.commit(session, request, outcome.add)
+
+    def _told(self, then: Committed | None, ok: bool, not_stored: int) -> None:
+        try:
+            if then is not None:
+                then(ok, not_stored)
+        finally:
+            with self._answered:
+                self._unanswered -= 1
+                self._answered.notify_all()
 
     def abort(self, slots: Sequence[int]) -> None:
         def take(slots: Sequence[int]) -> None:
