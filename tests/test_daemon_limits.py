@@ -228,7 +228,7 @@ def test_watchers_beyond_the_cap_are_refused(served) -> None:
 
 @pytest.mark.parametrize(
     ("method", "size"),
-    [("Stats", 100 << 10), ("Lookup", 2 << 20), ("Commit", 1 << 20)],
+    [("Stats", 100 << 10), ("Lookup", 2 << 20), ("Release", 1 << 20)],
 )
 def test_a_request_over_its_methods_bound_is_refused_before_decoding(
     served, method: str, size: int
