@@ -155,11 +155,11 @@ class StoreCalls:
     def commit(self, slots: Sequence[int]) -> bool:
         if not slots:
             return True
-        session, requests = self._requests(slots)
+        session = self._take(slots)
         if session is None:
-            c = self._client
-            c.failures += 1
+            self._client.failures += 1
             return False
+        requests = self._requests(session, slots)
         return all([self._commit_chunk(session, request) for request in requests])
 
     def commit_later(self, slots: Sequence[int], then: Committed | None) -> None:
@@ -168,7 +168,7 @@ class StoreCalls:
             if then is not None:
                 then(True, 0)
             return
-        session, requests = self._requests(slots)
+        session = self._take(slots)
         if session is None:
             c.failures += 1
             if then is not None:
@@ -176,13 +176,14 @@ class StoreCalls:
             return
         with self._answered:
             self._unanswered += 1
-        outcome = _Outcome(len(requests), c.counters, partial(self._told, then))
-        self._outbox.put(partial(self._send_commits, session, requests, outcome))
+        # The requests are made on the sender thread too: right after a store's copies the
+        # caller's caches are cold, and each step costs it several times its warm cost.
+        self._outbox.put(partial(self._send_commits, session, list(slots), then))
 
-    def _send_commits(
-        self, session: str, requests: list[pb.SlotsRequest], outcome: _Outcome
-    ) -> None:
+    def _send_commits(self, session: str, slots: list[int], then: Committed | None) -> None:
         c = self._client
+        requests = self._requests(session, slots)
+        outcome = _Outcome(len(requests), c.counters, partial(self._told, then))
         for request in requests:
             if not c.breaker.allow():
                 c.failures += 1
@@ -207,16 +208,22 @@ class StoreCalls:
 
         self._client._finish("Abort", slots, take)
 
-    def _requests(self, slots: Sequence[int]) -> tuple[str | None, list[pb.SlotsRequest]]:
-        """The live session and the Commit requests, in chunks, of ``slots`` (taken from
-        the ledger: committed or failed, they are the daemon's from now on)."""
+    def _take(self, slots: Sequence[int]) -> str | None:
+        """Takes ``slots`` out of the ledger (committed or failed, they are the daemon's from
+        now on); returns the live session, or None (and their names are forgotten)."""
         c = self._client
         with c._lock:
             c._ledger.take_reserved(slots)
-            names = self.ahead.names(slots)
             session = c._keeper.session
-        if session is None:
-            return None, []
+            if session is None:
+                self.ahead.names(slots)
+        return session
+
+    def _requests(self, session: str, slots: Sequence[int]) -> list[pb.SlotsRequest]:
+        """The Commit requests of ``slots``, in chunks, those taken ahead with their names."""
+        c = self._client
+        with c._lock:
+            names = self.ahead.names(slots)
         step = c.chunk_blocks
         requests = []
         for group in ([s for s in slots if s not in names], [s for s in slots if s in names]):
@@ -229,7 +236,7 @@ class StoreCalls:
                     if any(metas):
                         request.metas.extend(metas)
                 requests.append(request)
-        return session, requests
+        return requests
 
     def _commit_chunk(self, session: str, request: pb.SlotsRequest) -> bool:
         # Commit is bookkeeping (the disk writes happen behind it): its deadline does not
