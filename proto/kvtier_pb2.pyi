@@ -352,7 +352,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[str] = ..., query_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., blocks_loaded: _Optional[int] = ..., blocks_evicted: _Optional[int] = ..., blocks_spilled: _Optional[int] = ..., blocks_promoted: _Optional[int] = ..., blocks_deduplicated: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., used_blocks: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks_dropped: _Optional[int] = ..., other: _Optional[_Mapping[str, int]] = ..., layout: _Optional[str] = ..., oldest_block_age_s: _Optional[float] = ..., read_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class LayoutStats(_message.Message):
-    __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind", "held_slots", "holds_refused", "holds_expired", "holds_yielded", "holds_missed", "pinned_blocks", "pins_refused", "pins_missed")
+    __slots__ = ("layout", "slot_bytes", "num_slots", "arena_path", "disk", "sessions", "reserved_slots", "acquired_slots", "quarantined_slots", "writing_behind", "held_slots", "holds_refused", "holds_expired", "holds_yielded", "holds_missed", "reserved_ahead_slots", "pinned_blocks", "pins_refused", "pins_missed")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,7 @@ class LayoutStats(_message.Message):
     HOLDS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     HOLDS_YIELDED_FIELD_NUMBER: _ClassVar[int]
     HOLDS_MISSED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_AHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PINS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     PINS_MISSED_FIELD_NUMBER: _ClassVar[int]
@@ -386,13 +387,14 @@ class LayoutStats(_message.Message):
     holds_expired: int
     holds_yielded: int
     holds_missed: int
+    reserved_ahead_slots: int
     pinned_blocks: int
     pins_refused: int
     pins_missed: int
-    def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ..., held_slots: _Optional[int] = ..., holds_refused: _Optional[int] = ..., holds_expired: _Optional[int] = ..., holds_yielded: _Optional[int] = ..., holds_missed: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_refused: _Optional[int] = ..., pins_missed: _Optional[int] = ...) -> None: ...
+    def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ..., held_slots: _Optional[int] = ..., holds_refused: _Optional[int] = ..., holds_expired: _Optional[int] = ..., holds_yielded: _Optional[int] = ..., holds_missed: _Optional[int] = ..., reserved_ahead_slots: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_refused: _Optional[int] = ..., pins_missed: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers")
+    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers", "reserved_ahead_slots")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +404,7 @@ class StatsResponse(_message.Message):
     LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_AHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     sessions: int
     reserved_slots: int
@@ -411,7 +414,8 @@ class StatsResponse(_message.Message):
     layouts: _containers.RepeatedCompositeFieldContainer[LayoutStats]
     quarantined_slots: int
     watchers: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., quarantined_slots: _Optional[int] = ..., watchers: _Optional[int] = ...) -> None: ...
+    reserved_ahead_slots: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., quarantined_slots: _Optional[int] = ..., watchers: _Optional[int] = ..., reserved_ahead_slots: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("layout_signature", "replay")

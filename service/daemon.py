@@ -21,7 +21,7 @@ from kvtier.service.fence import Fence
 from kvtier.service.layout_store import LayoutStore
 from kvtier.service.pins import LayoutPins, PinResult
 from kvtier.service.rpc.wire import check_hash, invalid
-from kvtier.service.sessions import ACQUIRE, RESERVE, Leftovers, Session, SessionTable
+from kvtier.service.sessions import ACQUIRE, AHEAD, RESERVE, Leftovers, Session, SessionTable
 from kvtier.service.stats.snapshot import snapshot
 from kvtier.service.store import BlockStore
 from kvtier.service.tunables import TUNABLES
@@ -237,7 +237,7 @@ class Daemon:
             slots = store.reserve(hashes[:room], metas[:room])
             slots += [NO_SPACE] * (len(hashes) - len(slots))
         taken = [s for s in slots if s >= 0]
-        if not self.sessions.end_call(session_id, call_id, RESERVE, taken):
+        if not self.sessions.end_call(session_id, call_id, AHEAD if unnamed else RESERVE, taken):
             store.abort(taken)
             return [NO_SPACE] * len(hashes)
         return slots

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from kvtier.service.session_errors import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.tunables import TUNABLES
 
-RESERVE, ACQUIRE = "reserve", "acquire"
+RESERVE, AHEAD, ACQUIRE = "reserve", "ahead", "acquire"
+"""What a call took: slots reserved by hash or ahead (unnamed, ``ahead``), or acquired."""
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class Session:
     peer: str = ""
     """The TCP peer that opened the session; calls from another connection are refused."""
     reserved: set[int] = field(default_factory=set)
+    ahead: set[int] = field(default_factory=set)  # those of ``reserved`` reserved ahead
     acquired: Counter[int] = field(default_factory=Counter)
     streams: int = 0
     """Keep-alive streams open; a session with one never lapses."""
@@ -213,10 +215,12 @@ class SessionTable:
                 session.recent[call_id] = (kind, list(slots))
                 while len(session.recent) > TUNABLES.recent_calls:
                     session.recent.popitem(last=False)
-            if kind == RESERVE:
-                session.reserved.update(slots)
-            else:
+            if kind == ACQUIRE:
                 session.acquired.update(slots)
+            else:
+                session.reserved.update(slots)
+                if kind == AHEAD:
+                    session.ahead.update(slots)
             return True
 
     def cancel(self, session_id: str, call_id: int, peer: str = "") -> tuple[str, list[int]]:
@@ -229,9 +233,10 @@ class SessionTable:
             while len(session.cancelled) > TUNABLES.cancelled_ids:
                 session.cancelled.popitem(last=False)
             kind, slots = session.recent.pop(call_id, (RESERVE, []))
-            if kind == RESERVE:
+            if kind != ACQUIRE:
                 back = [s for s in slots if s in session.reserved]
                 session.reserved.difference_update(back)
+                session.ahead.difference_update(back)
             else:
                 back = []
                 for slot in slots:
@@ -340,6 +345,7 @@ class SessionTable:
                 foreign = sorted(wanted - session.reserved)[:8] or sorted(slots)[:8]
                 raise OwnershipError(f"slots not reserved by this session: {foreign}")
             session.reserved -= wanted
+            session.ahead -= wanted
             return session
 
     def take_acquired(self, session_id: str, slots: Sequence[int], peer: str = "") -> Session:
@@ -356,14 +362,16 @@ class SessionTable:
                     del session.acquired[slot]
             return session
 
-    def held(self, layout: bytes | None = None) -> tuple[int, int, int, int]:
-        """(sessions, reserved, acquired, lookup-held) slot references, of one layout or all."""
+    def held(self, layout: bytes | None = None) -> tuple[int, int, int, int, int]:
+        """(sessions, reserved for stores under way, reserved ahead, acquired, lookup-held)
+        slot references, of one layout or all."""
         with self._lock:
             mine = [s for s in self._sessions.values() if layout is None or s.layout == layout]
-            reserved = sum(len(s.reserved) for s in mine)
+            ahead = sum(len(s.ahead) for s in mine)
+            reserved = sum(len(s.reserved) for s in mine) - ahead
             acquired = sum(s.acquired.total() for s in mine)
             holds = sum(len(s.holds) for s in mine)
-        return len(mine), reserved, acquired, holds
+        return len(mine), reserved, ahead, acquired, holds
 
     def _renew(self, session_id: str, peer: str) -> Session:
         session = self._sessions.get(session_id)

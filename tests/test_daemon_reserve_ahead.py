@@ -52,6 +52,8 @@ def test_a_store_takes_slots_reserved_ahead_and_its_commit_names_them(daemon):
         assert sorted(slots) == sorted(set(slots)) and min(slots) >= 0
         for h, slot in zip(blocks, slots, strict=True):
             client.slab[slot].numpy()[:] = content(h)
+        held = daemon.stats()  # until the Commit names them, they are the daemon's unnamed
+        assert (held.reserved_slots, held.reserved_ahead_slots) == (0, AHEAD)
         assert client.commit(slots)
         assert load(client, blocks) == blocks
         assert client.lookup(blocks).host == len(blocks)

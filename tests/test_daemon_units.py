@@ -44,7 +44,7 @@ def test_sessions_own_their_slots_and_lapse():
     with pytest.raises(OwnershipError):
         table.take_reserved(a, [1, 1])
     table.take_acquired(b, [5])
-    assert table.held() == (2, 2, 1, 0)
+    assert table.held() == (2, 2, 0, 1, 0)
     table.attach(b)  # b holds a keep-alive stream: it never lapses
     clock.now = 11
     ended = table.reap()

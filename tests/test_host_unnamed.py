@@ -25,11 +25,12 @@ def test_unnamed_slots_are_named_by_their_commit_and_read_back():
     host = HostTier(BLOCK, BLOCK * 8)
     slots = host.reserve_unnamed(3)
     assert len(set(slots)) == 3
-    assert host.counters.used_blocks == 3
+    assert host.counters.used_blocks == 0  # slots, not blocks yet
     assert host.snapshot() == []  # nothing is readable, nor known by any hash
     for i, slot in enumerate(slots):
         write(host, slot, i)
     assert host.commit_named(slots, [h(0), h(1), h(2)], [b"m0", b"m1", b"m2"]) == 0
+    assert host.counters.used_blocks == 3
     got = host.acquire([h(0), h(1), h(2)])
     assert got == slots
     assert [int(host.slot_array(s)[0]) for s in got] == [0, 1, 2]

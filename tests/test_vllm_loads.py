@@ -151,14 +151,14 @@ def test_a_release_goes_out_while_a_commit_is_held_up(make_engine, daemon, monke
     side = second.worker.worker
     client = side._client(side.groups[0])
     committing, go_on = threading.Event(), threading.Event()
-    commit = client.commit
+    commit_later = client.commit_later
 
-    def held_commit(slots):
+    def held_commit(slots, then=None):
         committing.set()
         go_on.wait(120)
-        return commit(slots)
+        return commit_later(slots, then)
 
-    monkeypatch.setattr(client, "commit", held_commit)
+    monkeypatch.setattr(client, "commit_later", held_commit)
     try:
         second.add([*prompt(32, 2 * BLOCK), 1], "storing")
         for _ in range(50):

@@ -89,6 +89,11 @@ class ReservedAhead:
             self._send(partial(self._ask, session, wanted))
         return taken
 
+    def settle(self, timeout: float | None) -> bool:
+        """Waits until the Reserve for more, if one is on its way, has been answered."""
+        with self._ledger.changed:
+            return self._ledger.changed.wait_for(lambda: not self._asking, timeout)
+
     def names(self, slots: Sequence[int]) -> dict[int, tuple[BlockHash, bytes]]:
         """Forgets the names of those of ``slots`` taken from here (they are being committed
         or aborted) and returns them; call with the lock held."""
@@ -104,7 +109,13 @@ class ReservedAhead:
     def _ask(self, session: str, wanted: int) -> None:
         call_id = next(self._call_ids)
         request = pb.ReserveRequest(session_id=session, unnamed=wanted, call_id=call_id)
-        future = self._calls.future("Reserve", request, self._timeout_s, polled=True)
+        try:
+            future = self._calls.future("Reserve", request, self._timeout_s, polled=True)
+        except BaseException:
+            with self._lock:
+                self._asking = False
+                self._ledger.changed.notify_all()
+            raise
 
         def answered(future) -> None:
             exc = None if future.cancelled() else future.exception()
@@ -117,6 +128,7 @@ class ReservedAhead:
                     if fresh:
                         self._spare += slots
                         self._ledger.reserved.update(slots)
+                self._ledger.changed.notify_all()
             if exc is not None and isinstance(exc, grpc.RpcError):
                 self._failed(
                     "Reserve", exc, session, repair=self._later.canceller(session, call_id)

@@ -84,11 +84,11 @@ class StoreCalls:
 
     def settle(self, timeout: float | None) -> bool:
         """Waits until every commit sent without waiting has been answered and told its
-        ``then``, and every Reserve for more has left; False after ``timeout``."""
+        ``then``, and the Reserve for more slots ahead too; False after ``timeout``."""
         with self._answered:
             if not self._answered.wait_for(lambda: not self._unanswered, timeout):
                 return False
-        return self._outbox.drain(timeout)
+        return self._outbox.drain(timeout) and self.ahead.settle(timeout)
 
     def close(self) -> None:
         self._outbox.close()

@@ -106,10 +106,12 @@ class KVTierConfig:
         map_arena: bool = True,
         engine_group: str = "",
         lookup_index: bool = False,
+        reserve_ahead: bool = False,
     ) -> DaemonClient:
         """A daemon client for one connector role, with this config's endpoint and deadlines;
         the roles of one engine name the same ``engine_group``; ``lookup_index``: the client
-        probes the daemon's lookup index (the scheduler's, where the config says so)."""
+        probes the daemon's lookup index (the scheduler's, where the config says so, and a
+        worker's, which stores into slots reserved ahead: ``reserve_ahead``)."""
         return DaemonClient(
             layout.signature,
             layout.block_bytes,
@@ -121,6 +123,7 @@ class KVTierConfig:
             map_arena=map_arena,
             engine_group=engine_group,
             lookup_index=lookup_index,
+            reserve_ahead=reserve_ahead,
         )
 
 

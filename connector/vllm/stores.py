@@ -105,3 +105,27 @@ class StoreReaders:
                     self.blocks[block] = left
                 else:
                     self.blocks.pop(block, None)
+
+
+class CommitAnswers:
+    """The answers of a worker's commits, which come on its daemon client's thread, for the
+    engine thread to count (``count``)."""
+
+    def __init__(self) -> None:
+        self._answers: deque[tuple[int, int, bool, int]] = deque()
+
+    def add(self, blocks: int, block_bytes: int, ok: bool, deduplicated: int) -> None:
+        """A commit of ``blocks`` answered; ``deduplicated`` of them a tier held already."""
+        stored = blocks - deduplicated
+        self._answers.append((stored, stored * block_bytes, ok, deduplicated))
+
+    def count(self, add: Callable[[str, int], None]) -> None:
+        """Counts the answers come so far with ``add(counter, value)``."""
+        while self._answers:
+            blocks, nbytes, ok, deduplicated = self._answers.popleft()
+            add("deduplicated_blocks", deduplicated)
+            if ok:
+                add("stored_blocks", blocks)
+                add("stored_bytes", nbytes)
+            else:
+                add("store_failed_blocks", blocks)

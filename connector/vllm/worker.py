@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import partial
@@ -51,7 +51,7 @@ from kvtier.connector.vllm.layout import kv_placement
 from kvtier.connector.vllm.loads import InFlight, StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
-from kvtier.connector.vllm.stores import PendingStore, StoreQueue, StoreReaders
+from kvtier.connector.vllm.stores import CommitAnswers, PendingStore, StoreQueue, StoreReaders
 from kvtier.tiers.gpu.copy_engine import CopyEngine
 from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.transfer import Transfer
@@ -74,7 +74,11 @@ class WorkerSide:
             signature = group.layout.signature
             if signature not in self.clients:
                 self.clients[signature] = config.client(
-                    group.layout, f"vllm-worker-{rank}", engine_group=engine_group
+                    group.layout,
+                    f"vllm-worker-{rank}",
+                    engine_group=engine_group,
+                    lookup_index=True,
+                    reserve_ahead=True,
                 )
         for client in self.clients.values():
             if config.connect_wait_s and not client.wait_connected(config.connect_wait_s):
@@ -101,7 +105,7 @@ class WorkerSide:
         self._whole_request_failures = len(groups) > 1
         self._failed_loads: set[str] = set()
         self._failed_landed: set[str] = set()
-        self._commits: deque[tuple[int, int, bool]] = deque()  # (blocks, bytes, ok)
+        self._commits = CommitAnswers()
         self._trouble = DaemonTrouble(trips=True)
 
     def _client(self, group: KVGroup) -> DaemonClient:
@@ -249,13 +253,7 @@ class WorkerSide:
         return errors
 
     def take_stats(self) -> KVTierStats | None:
-        while self._commits:
-            blocks, nbytes, ok = self._commits.popleft()
-            if ok:
-                self.stats.add("stored_blocks", blocks)
-                self.stats.add("stored_bytes", nbytes)
-            else:
-                self.stats.add("store_failed_blocks", blocks)
+        self._commits.count(self.stats.add)
         self._trouble.count(self.clients.values(), self.stats)
         return self.stats.take()
 
@@ -388,13 +386,10 @@ class WorkerSide:
             return
 
         def done() -> None:
-            self._finisher.submit(self._commit, client, mine_slots, block_bytes)
+            then = partial(self._commits.add, len(mine_slots), block_bytes)
+            self._finisher.submit(client.commit_later, mine_slots, then)
             self._readers.done(readers, mine_blocks)
 
         transfer = self.engines[group.index].store(mine_blocks, mine_slots, callback=done)
         if not transfer.done():
             self._stores_in_flight.append(transfer)
-
-    def _commit(self, client: DaemonClient, slots: list[int], block_bytes: int) -> None:
-        """Runs on the committer thread; the engine thread counts the outcome."""
-        self._commits.append((len(slots), len(slots) * block_bytes, client.commit(slots)))

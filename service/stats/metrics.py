@@ -103,8 +103,13 @@ class StatsCollector(Collector):
         yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
         yield GaugeMetricFamily(
             "kvtier_reserved_slots",
-            "Host slots reserved by sessions",
+            "Host slots reserved by sessions for stores under way",
             value=stats["reserved_slots"],
+        )
+        yield GaugeMetricFamily(
+            "kvtier_reserved_ahead_slots",
+            "Host slots reserved ahead of sessions' stores, no block in them yet",
+            value=stats["reserved_ahead_slots"],
         )
         yield GaugeMetricFamily(
             "kvtier_acquired_slots",

@@ -11,7 +11,7 @@ def snapshot(daemon) -> dict:
     held = daemon.fence.held()
     tiers, layouts = [], []
     for store in daemon.store.layouts():
-        sessions, reserved, acquired, holds = daemon.sessions.held(store.signature)
+        sessions, reserved, ahead, acquired, holds = daemon.sessions.held(store.signature)
         quarantined = sum(
             len(left.reserved) + len(left.acquired)
             for left in held
@@ -32,6 +32,7 @@ def snapshot(daemon) -> dict:
                 "disk": store.disk_state,
                 "sessions": sessions,
                 "reserved_slots": reserved,
+                "reserved_ahead_slots": ahead,
                 "acquired_slots": acquired,
                 "quarantined_slots": quarantined,
                 "writing_behind": store.host.writing_behind,
@@ -43,12 +44,13 @@ def snapshot(daemon) -> dict:
                 **_pin_stats(daemon, store.signature),
             }
         )
-    sessions, reserved, acquired, _ = daemon.sessions.held()
+    sessions, reserved, ahead, acquired, _ = daemon.sessions.held()
     return {
         "tiers": tiers,
         "layouts": layouts,
         "sessions": sessions,
         "reserved_slots": reserved,
+        "reserved_ahead_slots": ahead,
         "acquired_slots": acquired,
         "quarantined_slots": sum(layout["quarantined_slots"] for layout in layouts),
         "uptime_s": time.monotonic() - daemon.started,

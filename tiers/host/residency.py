@@ -46,10 +46,13 @@ class Residency:
         self._on_event = on_event
         self._block_bytes = slab.shape[1]
 
+    # ``used_blocks`` counts blocks stored or being stored: a slot reserved unnamed holds no
+    # block until its commit names one.
+
     def claim(self, slot: int, block_hash: BlockHash | None, meta: bytes) -> None:
         self._table.claim(slot, block_hash, meta)
-        self._counters.used_blocks += 1
-        self._counters.used_bytes += self._block_bytes
+        if block_hash is not None:
+            self._used(1)
 
     def drop(self, slot: int, notify: bool = True) -> BlockHash | None:
         """Frees ``slot``; ``notify`` False leaves waking the waiters to the caller, who holds
@@ -57,8 +60,7 @@ class Residency:
         block_hash = self._table.drop(slot)
         if block_hash is not None:
             self._admission.dropped(block_hash)
-        self._counters.used_blocks -= 1
-        self._counters.used_bytes -= self._block_bytes
+            self._used(-1)
         if notify:
             self._changed.notify_all()
         return block_hash
@@ -104,6 +106,7 @@ class Residency:
         for i, (slot, h) in enumerate(zip(slots, hashes, strict=True)):
             if self._refusal(h, below) is None:  # a hash named twice here: the first goes
                 self._table.name(slot, h, metas[i] if metas else b"")
+                self._used(1)
                 named.append(slot)
             else:
                 self.drop(slot, notify=False)
@@ -120,6 +123,10 @@ class Residency:
             self._counters.blocks_not_admitted += 1
             return NOT_ADMITTED
         return None
+
+    def _used(self, blocks: int) -> None:
+        self._counters.used_blocks += blocks
+        self._counters.used_bytes += blocks * self._block_bytes
 
     def take(self) -> int | None:
         """A free slot, evicting the LRU committed slot if need be."""
