@@ -16,7 +16,7 @@ MIX_KEYS = (
     "slot_op_p50_us",
     "slot_op_p99_us",
     "store_control_us",
-    "store_control_ahead_us",
+    "store_control_by_hash_us",
     "block_ops_per_s",
     "mix_requests_per_s",
     "round_trip_hot_us",

@@ -12,9 +12,9 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   Lookup unwaited, as the connector's scheduler does (``--no-lookup-index``: every Lookup a
   call the client waits for);
 * ``store_control_us``: one client's ``--batch``-block store, its time beyond the copies
-  (the Reserve and Commit calls), median of ``--rounds``; ``store_control_ahead_us`` the
-  same for a client that reserves ahead (``DaemonClient(reserve_ahead=True)``: its Reserve
-  takes slots it holds already, no call) and sends each Commit without waiting;
+  (its Reserve and Commit), median of ``--rounds``, stored as the connector's worker stores
+  (into slots reserved ahead, the Commit sent without waiting); ``store_control_by_hash_us``
+  the same store by hash, the Reserve and the Commit calls each waited for;
 * ``--lookup-clients`` processes each time ``--lookups`` lookups of ``--hashes`` hashes that
   the index does not answer, back to back (``lookup_*_ms``): p50/p99 latency and aggregate
   lookups per second at full tilt, beside ``rpc_floor_p50_ms``: the daemon's bare health
@@ -178,7 +178,9 @@ def start_daemon(
     return daemon, contract.unix_target(socket)
 
 
-def connect(target: str, block_bytes: int, root: Path, reserve_ahead: bool = False) -> DaemonClient:
+def connect(target: str, block_bytes: int, root: Path, like_a_worker: bool = False) -> DaemonClient:
+    """A client; ``like_a_worker``: one that stores as the connector's worker does (slots
+    reserved ahead, the lookup index read for blocks stored already)."""
     client = DaemonClient(
         SIGNATURE,
         block_bytes,
@@ -186,7 +188,8 @@ def connect(target: str, block_bytes: int, root: Path, reserve_ahead: bool = Fal
         target=target,
         timeout_s=30,
         client_name="bench",
-        reserve_ahead=reserve_ahead,
+        lookup_index=like_a_worker,
+        reserve_ahead=like_a_worker,
     )
     if not client.wait_connected(60):
         raise RuntimeError(f"daemon did not come up: {(root / 'daemon.log').read_text()}")
@@ -275,10 +278,10 @@ def run(args: argparse.Namespace) -> int:
                 chunk = hashes[i : i + args.batch]
                 if not client.commit(client.reserve(chunk)):
                     raise RuntimeError("could not store the lookup blocks")
-            control_us = store_control_us(client, args.batch, args.rounds)
-            ahead = connect(target, block_bytes, root / "host-only", reserve_ahead=True)
-            control_ahead_us = store_control_us(ahead, args.batch, args.rounds, later=True)
-            ahead.close()
+            by_hash_us = store_control_us(client, args.batch, args.rounds)
+            worker = connect(target, block_bytes, root / "host-only", like_a_worker=True)
+            control_us = store_control_us(worker, args.batch, args.rounds, later=True)
+            worker.close()
             plan = MixPlan(
                 target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index
             )
@@ -319,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         "rate_per_client": args.rate,
         **mix,
         "store_control_us": control_us,
-        "store_control_ahead_us": control_ahead_us,
+        "store_control_by_hash_us": by_hash_us,
         **floors,
         **per_block,
         **lookups,

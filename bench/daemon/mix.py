@@ -10,10 +10,13 @@ clients' schedules are staggered). One request is what the connector does for a 
 * a store: Reserve ``SLOT_BLOCKS`` new blocks → copy each into its slot → Commit.
 
 Each call is timed on its own, copies left out: a slot operation is a Reserve+Commit or an
-Acquire+Release timed as one (Release is sent without waiting for its answer, as the
-connector sends it; the next Reserve or Acquire waits for it). A client that misses a call's
-deadline, a hit or a slot fails the benchmark; the deadlines are long (30 s), so that a
-stall of a busy machine shows in the p99 rather than ending the run.
+Acquire+Release timed as one. A client stores as the connector's worker does: into slots its
+session reserved ahead (the Reserve is no call, and asks for more on the client's own thread;
+the lookup index tells it which blocks are stored already), its Commit sent without waiting
+for the answer. Release is sent without waiting too; the next Reserve or Acquire waits for
+it. A client that misses a call's deadline, a hit or a slot fails the benchmark; the
+deadlines are long (30 s), so that a stall of a busy machine shows in the p99 rather than
+ending the run.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ def mix_client(plan: MixPlan, index: int, clients: int, ready, go, begin, out) -
         client_name=f"bench-mix-{index}",
         timeout_s=30,
         lookup_index=plan.lookup_index,
+        reserve_ahead=True,
     )
     try:
         if not client.wait_connected(60):
@@ -187,7 +191,7 @@ def _request(
     client.release(slots)
     load_s = acquired + time.perf_counter() - t0
 
-    return lookup_s, [load_s, timed_store(client, rows)]
+    return lookup_s, [load_s, timed_store(client, rows, later=True)]
 
 
 def timed_store(client: DaemonClient, rows: torch.Tensor, later: bool = False) -> float:
