@@ -118,7 +118,8 @@ def render_table(stats: pb.StatsResponse) -> str:
     lines.append("")
     lines.append(
         f"daemon hit rate {overall:.1%} of {total_query:,} tokens asked; "
-        f"{stats.sessions} sessions, {stats.reserved_slots} slots reserved, "
+        f"{stats.sessions} sessions, {stats.reserved_slots} slots reserved "
+        f"({stats.reserved_ahead_slots} more ahead), "
         f"{stats.acquired_slots} acquired, {stats.quarantined_slots} quarantined; "
         f"up {stats.uptime_s:,.0f} s"
     )
