@@ -16,21 +16,24 @@ several groups, whose block ids vLLM cannot map back to requests, the request is
 in ``failed_recving`` instead and vLLM recomputes all of it.
 
 Stores: at ``wait_for_save`` the step's newly full blocks are queued, and ONE ``Reserve``
-per step and group asks for their slots on a helper thread (the daemon answers "already
-stored" for blocks it holds, which are skipped). The copy starts at the NEXT step's start
-(``stores``), on the copy engine's store stream after the compute stream's queued work,
-and a helper thread commits the slots when the bytes are in. Finished requests whose blocks
-vLLM holds for us are reported in ``finished_sending`` once no store reads them any more. A
-sliding-window group's blocks are freed by vLLM while their request runs; when a step hands
-out a block a store still reads, that store starts first and the step is ordered after it.
+per step and group takes their slots on a helper thread: from those the session reserved
+ahead, with no call, where enough are there (blocks the lookup index says are stored are
+skipped), else by a call (the daemon answers "already stored" for blocks it holds). The copy
+starts at the NEXT step's start (``stores``), on the copy engine's store stream after the
+compute stream's queued work, and a helper thread sends the Commit, which names slots
+reserved ahead, when the bytes are in, without waiting for its answer. Finished requests
+whose blocks vLLM holds for us are reported in ``finished_sending`` once no store reads them
+any more. A sliding-window group's blocks are freed by vLLM while their request runs; when a
+step hands out a block a store still reads, that store starts first and the step is ordered
+after it.
 
 The copies never make the engine's thread wait for the GPU (``CopyEngine``); the client
 page-locks each arena under this worker's device on its own thread as it maps it, so a daemon
 restart never locks tens of GiB mid-step. A copy not started before its slots' session was
 lost is dropped (a store's slots aborted, a load's blocks recomputed): the daemon fences those
 slots until the client's next session proves nothing of its can land in them. Reserves, async
-loads' acquires and commits run on helper threads (releases are sent without waiting); every
-daemon call has the client's deadline and never raises for daemon trouble."""
+loads' acquires and commits run on helper threads (releases and commits are sent without
+waiting); every daemon call has the client's deadline and never raises for daemon trouble."""
 
 from __future__ import annotations
 
