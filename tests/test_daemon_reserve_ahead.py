@@ -2,7 +2,8 @@
 daemon: a store reserves without a call and its Commit names the slots; a block stored
 already is copied but stored once, or not copied where the client reads the lookup index; a
 lost session's spare slots come back and the client reconnects; a Commit that names its slots
-wrongly is refused and leaks nothing."""
+wrongly is refused and leaks nothing; one sent without waiting to a daemon gone is a counted
+failure that leaves nothing waiting."""
 
 from __future__ import annotations
 
@@ -136,3 +137,21 @@ def test_a_client_reading_the_index_copies_no_block_it_says_is_stored(daemon):
             client.slab[slot].numpy()[:] = content(h)
         assert client.commit(slots[::3])
         assert load(client, blocks) == blocks
+
+
+def test_a_commit_sent_without_waiting_to_a_daemon_gone_is_a_counted_failure():
+    gone = Daemon(host_bytes=32 * AHEAD * BLOCK_BYTES, extra=["--reserve-ahead-blocks", str(AHEAD)])
+    gone.start()
+    try:
+        with gone.client(reserve_ahead=True) as client:
+            reserved_ahead(client, "gone")
+            slots = client.reserve([block_hash("gone", i) for i in range(4)])
+            gone.kill()
+            answers = []
+            client.commit_later(slots, lambda ok, not_stored: answers.append((ok, not_stored)))
+            wait_until(lambda: answers, "the commit's answer")
+            assert answers == [(False, 0)]
+            assert client.failures >= 1
+            assert client.settle(30)  # nothing left waiting on the daemon that went
+    finally:
+        gone.cleanup()
