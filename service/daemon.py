@@ -257,15 +257,19 @@ class Daemon:
         _check_metas(metas, len(hashes))
         session = self.sessions.take_reserved(session_id, slots, peer)
         store = self._store(session)
+        not_stored = 0
         try:
-            not_stored = store.commit_named(slots, hashes, metas) if hashes else store.commit(slots)
+            if hashes:
+                not_stored = store.commit_named(slots, hashes, metas)
+            else:
+                store.commit(slots)
         except ValueError as exc:
             # Unnamed slots committed without hashes, or the other way round: the tier
             # changed nothing, and the client loses these blocks, not the slots.
             store.abort(slots)
             raise invalid(str(exc)) from exc
         self.pins[session.layout].committed()
-        return not_stored or 0
+        return not_stored
 
     def abort(self, session_id: str, slots: Sequence[int], peer: str = "") -> None:
         session = self.sessions.take_reserved(session_id, slots, peer)

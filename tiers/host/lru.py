@@ -49,9 +49,6 @@ class Lru:
         self.size = 0
         """Slots in the LRU."""
 
-    def __contains__(self, slot: int) -> bool:
-        return bool(self._member[slot])
-
     def last_use(self, slot: int) -> float:
         return self._last_use[slot]
 

@@ -67,12 +67,11 @@ class Residency:
 
     def reserve(self, hashes: Sequence[BlockHash], metas: Sequence[bytes]) -> list[int]:
         """``HostTier.reserve``: a slot per hash, or why none."""
-        index, lower = self._table.index, self._lower
         # One question to the tier below (one read of its index) and one eviction a batch.
-        fresh = {h for h in hashes if h not in index}
-        below = lower.holding(list(fresh)) if lower is not None and fresh else set()
+        fresh = {h for h in hashes if h not in self._table.index}
+        below = self._held_below(fresh)
         evicted = self.make_room(len(fresh - below))
-        if lower is not None:
+        if self._lower is not None:
             below |= evicted  # the tier below has each block evicted (spilled if need be)
         result: list[int] = []
         for i, h in enumerate(hashes):
@@ -99,9 +98,7 @@ class Residency:
     ) -> list[int]:
         """Names unnamed slots for ``HostTier.commit_named``; frees those whose block needs
         no storing and returns the others."""
-        index, lower = self._table.index, self._lower
-        fresh = [h for h in hashes if h not in index]
-        below = lower.holding(fresh) if lower is not None and fresh else set()
+        below = self._held_below({h for h in hashes if h not in self._table.index})
         named = []
         for i, (slot, h) in enumerate(zip(slots, hashes, strict=True)):
             if self._refusal(h, below) is None:  # a hash named twice here: the first goes
@@ -113,6 +110,10 @@ class Residency:
         if len(named) < len(slots):
             self._changed.notify_all()
         return named
+
+    def _held_below(self, fresh: set[BlockHash]) -> set[BlockHash]:
+        """Those of ``fresh`` (hashes not here) the disk tier holds: one read of its index."""
+        return self._lower.holding(list(fresh)) if self._lower is not None and fresh else set()
 
     def _refusal(self, block_hash: BlockHash, below: set[BlockHash]) -> int | None:
         """Why ``block_hash`` needs no slot (counted), or None where it is to be stored."""
