@@ -117,3 +117,22 @@ def test_slot_reuse_under_concurrent_readers(tmp_path, monkeypatch, direct):
         assert t.counters.blocks_evicted == count - capacity
         total = capacity + STAGED_BATCHES * plan(BLOCK, capacity * BLOCK, None)[1]  # + spares
         assert sorted(t._s.table._free) == sorted(set(range(total)) - used_slots(t))
+
+
+@pytest.mark.parametrize("size", [disk_slots.HUGE_PAGE, disk_slots.HUGE_PAGE + 3 * mmap.PAGESIZE])
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_new_put_buffer_starts_on_a_huge_page_boundary_where_huge_pages_are_used(size, huge):
+    """A huge page must start on a 2 MiB boundary; a buffer that did not would get none."""
+    buf = disk_slots._new_buffer(size, huge)
+    address = np.frombuffer(buf, np.uint8).ctypes.data
+    assert len(buf) == size and not buf.readonly
+    assert address % (disk_slots.HUGE_PAGE if huge else mmap.PAGESIZE) == 0
+    buf[-1] = 7  # every byte is the buffer's own
+    assert buf[-1] == 7
+
+
+def test_a_put_buffer_given_back_is_the_next_one_handed_out():
+    pool = disk_slots.BufferPool(1 << 16, keep=2)
+    first = pool.acquire()
+    pool.release(first)
+    assert pool.acquire() is first

@@ -10,12 +10,14 @@ same calls go through the page cache instead, and ``direct`` says so.
 
 ``BufferPool`` hands out page-aligned buffers of one slot each and keeps a few of those it gets
 back: a buffer the kernel has already faulted in is several times faster to fill than a new one.
+A new one is backed by transparent huge pages where the kernel offers them (``_new_buffer``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import heapq
 import logging
 import mmap
@@ -36,6 +38,9 @@ PAGE = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 forces the buffered path (tests set it so)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+HUGE_PAGE = 2 << 20
+"""The size of a transparent huge page on x86-64 and most arm64 kernels."""
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def slot_stride(block_bytes: int) -> int:
@@ -49,18 +54,17 @@ class BufferPool:
     def __init__(self, size: int, keep: int) -> None:
         self.size = size
         self._keep = keep
-        self._free: list[mmap.mmap] = []
+        self._free: list[memoryview] = []
         self._lock = threading.Lock()
+        self._huge = size >= HUGE_PAGE and _huge_pages_offered()
 
-    def acquire(self) -> mmap.mmap:
+    def acquire(self) -> memoryview:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        # Anonymous memory is page-aligned; populating it up front is cheaper than a fault
-        # per page on first write.
-        return mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_POPULATE)
+        return _new_buffer(self.size, self._huge)
 
-    def release(self, buf: mmap.mmap) -> None:
+    def release(self, buf: memoryview) -> None:
         """Takes a buffer back. One beyond ``keep`` is dropped (unmapped once unreferenced)."""
         with self._lock:
             if len(self._free) < self._keep:
@@ -179,6 +183,42 @@ class SlotFile:
         got = os.preadv(self._fd, [dst], offset)
         if got != len(dst):
             raise OSError(errno.EIO, f"short read at {offset}: {got} of {len(dst)} B")
+
+
+def _new_buffer(size: int, huge: bool) -> memoryview:
+    """``size`` bytes of fresh page-aligned memory, on huge pages where ``huge``.
+
+    A burst of puts fills a new buffer per block, and a new buffer's first fill is mostly the
+    kernel's work: on the 2-core VM 2 MiB buffers populated up front (4 KiB pages, zeroed at
+    the ``mmap``) filled at 2.8 to 3.1 GB/s, where buffers reused filled at 12.5. On huge
+    pages the kernel zeroes and maps one page per 2 MiB: a 256-block burst of puts with its
+    durable flush ran at 2.24 to 2.70 GB/s against 1.68 to 1.91 (six runs each, alternated,
+    each in a fresh process). A huge page must start on a 2 MiB boundary, which an ``mmap``
+    need not, so the mapping is one huge page longer than the buffer and the buffer starts at
+    its first boundary; the slack is address space the buffer never touches, so the kernel
+    never backs it. Without huge pages, populating up front is cheaper than a fault per page
+    on the first fill.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not huge:
+        return memoryview(mmap.mmap(-1, size, flags=flags | _MAP_POPULATE))
+    mapping = memoryview(mmap.mmap(-1, size + HUGE_PAGE, flags=flags))
+    start = -_address(mapping) % HUGE_PAGE
+    mapping.obj.madvise(mmap.MADV_HUGEPAGE, start, size)
+    return mapping[start : start + size]
+
+
+@functools.cache
+def _huge_pages_offered() -> bool:
+    """Whether ``madvise(MADV_HUGEPAGE)`` gets transparent huge pages here: a Linux kernel
+    with them that honours the advice ("always" or "madvise", not "never")."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(_THP_SETTING) as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
 
 
 def _touch(view: memoryview) -> None:
