@@ -115,9 +115,9 @@ def disk_rates(directory: str, blocks: torch.Tensor) -> DiskRates:
 
     The write is a tier's second burst. Each put copies its block into a buffer of the tier's
     pool, and in a new tier every buffer of the first burst is new memory: on the 2-core VM
-    its first fill is mostly the kernel's (and the host's) work, a burst of 256 ran at 1.45
-    to 2.6 GB/s where the next burst into the same tier, finding buffers the first one
-    gave back, ran at 2.7 to 3.1 beside raw writes of 2.3 to 3.0. A daemon's tier takes its
+    its first fill is mostly the kernel's (and the host's) work, a burst of 256 ran at 1.4
+    to 3.2 GB/s where the next burst into the same tier, finding buffers the first one
+    gave back, ran at 2.7 to 3.1 beside raw writes of 1.9 to 3.0. A daemon's tier takes its
     first burst once; ``first_write`` shows it.
 
     The raw limit from a file of its own (``raw_disk_gbps``) reads bytes written moments
