@@ -5,15 +5,18 @@ what a vLLM worker pays per request: the daemon's calls around the copies. A ``k
 subprocess owns the host tier; two client processes, each with its own CUDA context and a
 vLLM-shaped ``BLHNC`` KV buffer, run the connector's call sequence at once:
 
-* store: Reserve → copy the blocks into their slots on the store stream → Commit once the
-  bytes are in;
+* store: slots reserved ahead (no call; the client asks for more on its own thread) → copy
+  the blocks into their slots on the store stream → Commit, sent without waiting for its
+  answer, once the bytes are in;
 * load: Lookup (from the daemon's shared-memory index, as the scheduler reads it) → Acquire →
   copy the slots into GPU blocks on the load stream → Release once the copy has read them.
 
-As the vLLM worker runs them: the next request's Reserve (or Lookup and Acquire) goes out on a
-helper thread while this request's blocks copy, and Commits and Releases are sent from another
-helper thread when the copy engine's ``poll`` finds a transfer done, so the engine's thread
-only queues copies. Each figure is the bytes both clients moved over the wall time from the
+As the vLLM worker runs them: the next request's slots (or its Lookup and Acquire) are taken
+on a helper thread while this request's blocks copy, and Commits and Releases are sent from
+another helper thread when the copy engine's ``poll`` finds a transfer done, so the engine's
+thread only queues copies. The daemon reserves each client a request's blocks ahead
+(``--reserve-ahead-blocks``), its arena large enough for that (a thirty-second of its slots
+at most). Each figure is the bytes both clients moved over the wall time from the
 first call to the last answer in (``time.monotonic``, one clock for every process on the
 host), beside the PCIe ceiling measured in the same run. ``load4_ms`` is one 4-block load
 from its Lookup to its copies done, the latency a request waits for a short hit.
@@ -83,6 +86,7 @@ def _client(
             timeout_s=30,
             client_name=f"bench-e2e-{index}",
             lookup_index=True,
+            reserve_ahead=True,
         )
         if not client.wait_connected(60):
             raise RuntimeError("the daemon did not come up")
@@ -132,12 +136,20 @@ def _client(
                     raise RuntimeError("commit failed")
             return start, time.monotonic()
 
+        committed: list[bool] = []
+
+        def commit(slots: list[int]) -> None:
+            client.commit_later(slots, lambda ok, not_stored: committed.append(ok))
+
         barrier.wait()
         store_start, store_end = overlapped(
             reserve,
             lambda r, slots, done: engine.store(gpu_out[r], slots, callback=done),
-            client.commit,
+            commit,
         )
+        if not client.settle(60) or len(committed) != requests or not all(committed):
+            raise RuntimeError(f"commits failed: {committed}, {client.failures} failed calls")
+        store_end = time.monotonic()
         barrier.wait()
         load_start, load_end = overlapped(
             acquire,
@@ -181,8 +193,11 @@ def end_to_end(
     """Both clients' store and load rates through one real daemon, and a small load's latency."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as root:
-        host_bytes = CLIENTS * (requests + 1) * blocks * layout.block_bytes + (64 << 20)
-        daemon, target = start_daemon(Path(root), host_bytes, 0)
+        stored = CLIENTS * (requests + 1) * blocks * layout.block_bytes + (64 << 20)
+        ahead = 32 * (blocks + 1) * layout.block_bytes  # the daemon's cap on slots ahead
+        daemon, target = start_daemon(
+            Path(root), max(stored, ahead), 0, ("--reserve-ahead-blocks", str(blocks))
+        )
         try:
             barrier, out = ctx.Barrier(CLIENTS), ctx.Queue()
             procs = [
