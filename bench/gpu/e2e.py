@@ -14,9 +14,10 @@ vLLM-shaped ``BLHNC`` KV buffer, run the connector's call sequence at once:
 As the vLLM worker runs them: the next request's slots (or its Lookup and Acquire) are taken
 on a helper thread while this request's blocks copy, and Commits and Releases are sent from
 another helper thread when the copy engine's ``poll`` finds a transfer done, so the engine's
-thread only queues copies. The daemon reserves each client a request's blocks ahead
-(``--reserve-ahead-blocks``), its arena large enough for that (a thirty-second of its slots
-at most). Each figure is the bytes both clients moved over the wall time from the
+thread only queues copies. The daemon is asked to reserve each client two requests' blocks
+ahead (``--reserve-ahead-blocks``), one taken while the next are reserved; it keeps at most
+a thirty-second of its slots ahead, so in an arena of a few requests per client a store
+often finds too few and reserves by hash, as the worker does then. Each figure is the bytes both clients moved over the wall time from the
 first call to the last answer in (``time.monotonic``, one clock for every process on the
 host), beside the PCIe ceiling measured in the same run. ``load4_ms`` is one 4-block load
 from its Lookup to its copies done, the latency a request waits for a short hit.
@@ -193,10 +194,9 @@ def end_to_end(
     """Both clients' store and load rates through one real daemon, and a small load's latency."""
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="kvtier-e2e-") as root:
-        stored = CLIENTS * (requests + 1) * blocks * layout.block_bytes + (64 << 20)
-        ahead = 32 * (blocks + 1) * layout.block_bytes  # the daemon's cap on slots ahead
+        host_bytes = CLIENTS * (requests + 1) * blocks * layout.block_bytes + (64 << 20)
         daemon, target = start_daemon(
-            Path(root), max(stored, ahead), 0, ("--reserve-ahead-blocks", str(blocks))
+            Path(root), host_bytes, 0, ("--reserve-ahead-blocks", str(2 * blocks))
         )
         try:
             barrier, out = ctx.Barrier(CLIENTS), ctx.Queue()
