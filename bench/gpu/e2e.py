@@ -17,9 +17,10 @@ another helper thread when the copy engine's ``poll`` finds a transfer done, so 
 thread only queues copies. The daemon is asked to reserve each client two requests' blocks
 ahead (``--reserve-ahead-blocks``), one taken while the next are reserved; it keeps at most
 a thirty-second of its slots ahead, so in an arena of a few requests per client a store
-often finds too few and reserves by hash, as the worker does then. Each figure is the bytes both clients moved over the wall time from the
-first call to the last answer in (``time.monotonic``, one clock for every process on the
-host), beside the PCIe ceiling measured in the same run. ``load4_ms`` is one 4-block load
+often finds too few and reserves by hash, as the worker does then. Each figure is the bytes
+both clients moved over the wall time from the first call to the last answer in
+(``time.monotonic``, one clock for every process on the host), beside the PCIe ceiling
+measured in the same run. ``load4_ms`` is one 4-block load
 from its Lookup to its copies done, the latency a request waits for a short hit.
 """
 
