@@ -123,6 +123,8 @@ def test_slot_reuse_under_concurrent_readers(tmp_path, monkeypatch, direct):
 @pytest.mark.parametrize("huge", [True, False])
 def test_a_new_put_buffer_starts_on_a_huge_page_boundary_where_huge_pages_are_used(size, huge):
     """A huge page must start on a 2 MiB boundary; a buffer that did not would get none."""
+    if huge and not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no transparent huge pages on this platform")
     buf = disk_slots._new_buffer(size, huge)
     address = np.frombuffer(buf, np.uint8).ctypes.data
     assert len(buf) == size and not buf.readonly

@@ -15,6 +15,7 @@ A new one is backed by transparent huge pages where the kernel offers them (``_n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -204,7 +205,10 @@ def _new_buffer(size: int, huge: bool) -> memoryview:
         return memoryview(mmap.mmap(-1, size, flags=flags | _MAP_POPULATE))
     mapping = memoryview(mmap.mmap(-1, size + HUGE_PAGE, flags=flags))
     start = -_address(mapping) % HUGE_PAGE
-    mapping.obj.madvise(mmap.MADV_HUGEPAGE, start, size)
+    # The advice is a hint: refused (a kernel built without huge pages, a sandbox), the
+    # buffer is still whole, faulted in by small pages on its first fill.
+    with contextlib.suppress(OSError):
+        mapping.obj.madvise(mmap.MADV_HUGEPAGE, start, size)
     return mapping[start : start + size]
 
 
