@@ -61,15 +61,13 @@ def drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def raw_disk_gbps(
-    directory: str, num_bytes: int, chunk: int = 2 << 20, write_run: int | None = None
-) -> tuple[float, float, str]:
+def raw_disk_gbps(directory: str, num_bytes: int, chunk: int = 2 << 20) -> tuple[float, float, str]:
     """Sequential O_DIRECT write (with a final fsync) and read of ``num_bytes`` in ``directory``,
     each ``chunk`` from and into page-aligned memory of its own. The writes go out
-    ``write_run`` bytes at a time (``TUNABLES.disk_stage_bytes`` by default, as the disk tier
-    writes its payloads), each a ``writev`` of its chunks: on the 2-core VM's virtual disk 2 MiB
-    writes ran at 1.95 to 2.6 GB/s where 16 MiB writes ran at 2.5 to 3.4 (four rounds), and a
-    limit written slower than the tier writes is none.
+    ``TUNABLES.disk_stage_bytes`` at a time, as the disk tier writes its payloads, each a
+    ``writev`` of its chunks: on the 2-core VM's virtual disk 2 MiB writes ran at 1.95 to
+    2.6 GB/s where 16 MiB writes ran at 2.5 to 3.4 (four rounds), and a limit written slower
+    than the tier writes is none.
 
     A tier moves each block between the device and memory of its own (a host slot, a pooled
     buffer), never through the same few pages over and over, and so does this limit. On the
@@ -93,7 +91,7 @@ def raw_disk_gbps(
         except OSError:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             how = "buffered+fsync"
-        per_write = max(1, (write_run or TUNABLES.disk_stage_bytes) // chunk)
+        per_write = max(1, TUNABLES.disk_stage_bytes // chunk)
         start = time.perf_counter()
         for first in range(0, count, per_write):
             run = pieces[first : first + per_write]

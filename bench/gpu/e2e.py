@@ -144,11 +144,12 @@ def _client(
             client.commit_later(slots, lambda ok, not_stored: committed.append(ok))
 
         barrier.wait()
-        store_start, store_end = overlapped(
+        store_start, _ = overlapped(
             reserve,
             lambda r, slots, done: engine.store(gpu_out[r], slots, callback=done),
             commit,
         )
+        # the span ends with the last Commit's answer, which was sent without waiting
         if not client.settle(60) or len(committed) != requests or not all(committed):
             raise RuntimeError(f"commits failed: {committed}, {client.failures} failed calls")
         store_end = time.monotonic()
