@@ -22,6 +22,7 @@ from kvtier.connector.client.slot_channel import ChannelStream
 from kvtier.connector.client.wire import pack_hashes
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
+from kvtier.proto.contract import HASH_BYTES
 
 from daemonutil import BLOCK_BYTES, Daemon, block_hash, load, store, wait_until
 
@@ -175,6 +176,63 @@ def test_a_client_that_reads_no_answers_is_held_and_then_answered_in_full(daemon
         hashes = [block_hash("after-flood", i) for i in range(4)]
         assert store(client, hashes) == hashes
         assert client.failures == 0
+
+
+@pytest.fixture
+def holding_daemon():
+    """A daemon whose lookups hold their hits for longer than any test runs."""
+    d = Daemon(host_bytes=64 * BLOCK_BYTES, extra=["--lookup-hold-s", "3600"]).start()
+    yield d
+    assert d.stop() == 0, d.log.read_text()
+    d.cleanup()
+
+
+def notice_and_acquire(session: str, hashes: list[bytes]) -> pb.SlotOpBatch:
+    """One frame: a notice of ``hashes`` (op 1: a lookup the index answered, all its hits
+    in the host tier) and an Acquire of the first two (op 2), in that order."""
+    packed = pack_hashes(hashes)
+    notice = pb.LookupRequest(hashes=packed, probed_host=len(hashes))
+    acquire = pb.AcquireRequest(hashes=packed[: 2 * HASH_BYTES])
+    return pb.SlotOpBatch(
+        session_id=session,
+        ops=[pb.SlotOp(op_id=1, lookup=notice), pb.SlotOp(op_id=2, acquire=acquire)],
+    )
+
+
+def test_a_notice_yields_to_the_acquire_that_came_with_it_and_still_holds(holding_daemon):
+    # The Acquire is answered before the notice nobody waits for, and in a frame of its own.
+    # It took no hold (the notice had made none yet), so each of the four hits is held.
+    with holding_daemon.client() as client, raw_channel(holding_daemon, client) as conn:
+        sock, session = conn
+        hashes = [block_hash("notice", i) for i in range(4)]
+        assert store(client, hashes) == hashes
+        send(sock, notice_and_acquire(session, hashes))
+        answered: dict[int, tuple[int, pb.SlotResult]] = {}  # op id -> (frame, result)
+        frames_read = 0
+        while len(answered) < 2:
+            answered.update((r.op_id, (frames_read, r)) for r in next_frame(sock).results)
+            frames_read += 1
+        (acquire_frame, acquired), (notice_frame, noticed) = answered[2], answered[1]
+        assert acquire_frame < notice_frame
+        assert (acquired.code, noticed.code) == (0, 0)
+        assert len(acquired.acquire.slots) == 2 and noticed.lookup.host == 4
+        layout = holding_daemon.stats().layouts[0]
+        assert (layout.acquired_slots, layout.held_slots, layout.holds_missed) == (2, 4, 0)
+        release = pb.SlotsRequest(slots=acquired.acquire.slots)
+        send(sock, pb.SlotOpBatch(session_id=session, ops=[pb.SlotOp(op_id=3, release=release)]))
+        assert [(r.op_id, r.code) for r in next_frame(sock).results] == [(3, 0)]
+        assert holding_daemon.stats().layouts[0].acquired_slots == 0
+
+
+def test_a_notice_sent_as_the_client_ends_its_side_is_run_and_answered(daemon):
+    with daemon.client() as client, raw_channel(daemon, client) as (sock, session):
+        hashes = [block_hash("last-notice", i) for i in range(3)]
+        assert store(client, hashes) == hashes
+        notice = pb.LookupRequest(hashes=pack_hashes(hashes), probed_host=3)
+        send(sock, pb.SlotOpBatch(session_id=session, ops=[pb.SlotOp(op_id=5, lookup=notice)]))
+        sock.shutdown(socket.SHUT_WR)
+        results = [r for batch in frames(sock) for r in batch.results]
+    assert [(r.op_id, r.code, r.lookup.host) for r in results] == [(5, 0, 3)]
 
 
 def test_a_waiting_caller_reads_its_answer_itself(daemon, monkeypatch):

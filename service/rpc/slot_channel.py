@@ -28,6 +28,19 @@ operation that must wait (a disk hit's promotion, a batch on a worker thread) is
 a frame of its own when it finishes. Reading stops while ``slot_ops_in_flight`` operations
 wait, or while the client reads no answers (the socket's buffer is full), so neither can grow
 the daemon's memory.
+
+A notice (a lookup the client's index probe answered, ``probed_host`` set) is one operation
+whose answer nobody waits for, and it runs after the operations that came with it and those
+that arrive before the event loop next polls its sockets (``_defer``). Its client sends it from
+a thread the moment the lookup returns, and the Acquire that loads the hits follows at once
+(from that client, or from a worker of the same engine on a channel of its own): one read or
+one poll often brings both. Taken in order, the Acquire waited for the notice's walk of a
+1,000-hash prefix, 0.25 ms back to back and 0.8 ms after an idle pause on the 2-core VM, and
+with 8 paced clients there the p99 of the slot operations was 2.5 to 2.9 ms, 1.7 to 2.0 with
+the notices deferred. An Acquire that overtakes its notice pins its blocks itself; the
+notice then holds the lookup's hits as always, and a hold on a block acquired meanwhile ends
+at its deadline (``lookup_hold_s``) or with a later acquire, as the holds of hits nobody
+acquires do.
 """
 
 from __future__ import annotations
@@ -62,6 +75,11 @@ class _Context:
 
     def peer(self) -> str:
         return self._peer
+
+
+def _is_notice(op: pb.SlotOp) -> bool:
+    """Whether ``op`` is a lookup the client's index probe answered: its answer goes unread."""
+    return op.WhichOneof("op") == "lookup" and op.lookup.HasField("probed_host")
 
 
 class SlotChannelServer:
@@ -138,6 +156,8 @@ class _Channel(asyncio.Protocol):
         self._ops: SlotOpRunner | None = None
         self._answers: list[pb.SlotResult] = []
         self._waiting: set[asyncio.Task] = set()
+        self._notices: list[pb.SlotOp] = []
+        """Notices ``_defer`` holds back until the loop's next poll of its sockets."""
         self._taking = False
         """Inside ``_take``: answers gather, to leave in one frame when it returns."""
         self._reading_paused = False
@@ -235,10 +255,37 @@ class _Channel(asyncio.Protocol):
             self._ops = SlotOpRunner(self._server.servicer, _Context(peer), self._answer)
         self._ops.check(batch)
         for op in batch.ops:
-            task = self._ops.start(op)
-            if task is not None:
-                self._waiting.add(task)
-                task.add_done_callback(self._finished)
+            if _is_notice(op):
+                self._defer(op)
+            else:
+                self._run(op)
+
+    def _run(self, op: pb.SlotOp) -> None:
+        task = self._ops.start(op)
+        if task is not None:
+            self._waiting.add(task)
+            task.add_done_callback(self._finished)
+
+    def _defer(self, notice: pb.SlotOp) -> None:
+        """Runs ``notice`` once the event loop has polled its sockets again: a timer due now
+        runs after the callbacks of the reads that poll finds (asyncio runs the ready I/O
+        first), a callback made ready now would run before them."""
+        if not self._notices:
+            asyncio.get_running_loop().call_later(0, self._run_notices)
+        self._notices.append(notice)
+
+    def _run_notices(self) -> None:
+        notices, self._notices = self._notices, []
+        if self._ended:
+            return
+        self._taking = True
+        try:
+            for notice in notices:
+                self._run(notice)
+        finally:
+            self._taking = False
+            self._send()
+        self._settle()
 
     def _answer(self, result: pb.SlotResult) -> None:
         self._answers.append(result)
@@ -276,6 +323,6 @@ class _Channel(asyncio.Protocol):
                 self._transport.resume_reading()
                 self._take()
                 return
-        if self._client_done and not self._waiting and not held:
+        if self._client_done and not self._waiting and not self._notices and not held:
             self._ended = True
             self._transport.close()
