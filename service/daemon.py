@@ -187,21 +187,30 @@ class Daemon:
         the slots), so that the acquire that follows finds them where this answer says they
         are, however busy the host tier is meanwhile. ``probed_host``: the host hits the
         client's index probe promised (this call is its notice); no more are held (a block
-        stored since was promised to nobody), and those gone since are counted.
+        stored since was promised to nobody), and those gone since are counted. The leading
+        hashes the session holds already are promised again without a walk (``holds``).
         """
         session = self.sessions.get(session_id, peer)
         store = self._store(session)
         hold = self.config.lookup_hold_s > 0
+        until = time.monotonic() + self.config.lookup_hold_s
+        held = self.sessions.renew_holds(session_id, hashes, until, probed_host) if hold else 0
         found = store.lookup(
-            hashes, session.block_tokens, hold=hold, at_most=probed_host, memory_only=memory_only
+            hashes[held:],
+            session.block_tokens,
+            hold=hold,
+            at_most=None if probed_host is None else probed_host - held,
+            memory_only=memory_only,
+            held=held,
         )
         if found is None:
+            if ended := self.sessions.drop_promises(session_id, hashes[:held]):
+                store.release(ended)
             return None
         hits, pinned = found
         if probed_host is not None and probed_host > hits.host:
             self.sessions.count_missed(session.layout, probed_host - hits.host)
         if pinned:
-            until = time.monotonic() + self.config.lookup_hold_s
             back = self.sessions.add_holds(session_id, pinned, until, self.slot_quota(store))
             if back:
                 store.release(back)

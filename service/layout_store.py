@@ -133,10 +133,12 @@ class LayoutStore:
         hold: bool,
         at_most: int | None = None,
         memory_only: bool = False,
+        held: int = 0,
     ) -> tuple[LowerHits, list[tuple[bytes, int]]] | None:
         """(hits, [(hash, slot)] pinned when ``hold``: the first ``at_most`` host hits if
         given); see ``HostTier``. Blocking, unless ``memory_only``: then None, having changed
-        nothing, where a tier below must be asked."""
+        nothing, where a tier below must be asked. ``held``: host hits of the lookup's prefix
+        that come before ``hashes`` (its session holds them already), counted with them."""
         if memory_only:
             found = self.host.lookup_in_memory(hashes, hold, at_most)
             if found is None:
@@ -145,7 +147,8 @@ class LayoutStore:
             found = self.host.lookup_holding(hashes, at_most)
         else:
             found = self.host.lookup(hashes), []
-        self._count_lookup(len(hashes), found[0], block_tokens)
+        found[0].host += held
+        self._count_lookup(held + len(hashes), found[0], block_tokens)
         return found
 
     def _count_lookup(self, asked: int, hits: LowerHits, block_tokens: int) -> None:

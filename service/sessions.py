@@ -25,21 +25,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.service import holds as lookup_holds
+from kvtier.service.holds import Hold
 from kvtier.service.session_errors import CallCancelled, OwnershipError, SessionError, SessionLimit
 from kvtier.service.tunables import TUNABLES
 
 RESERVE, AHEAD, ACQUIRE = "reserve", "ahead", "acquire"
 """What a call took: slots reserved by hash or ahead (unnamed, ``ahead``), or acquired."""
-
-
-@dataclass(slots=True)
-class Hold:
-    """One host hit held for acquires to come: one pin of ``slot`` per lookup that answered
-    it (two requests sharing a prefix each hold it, and each one's acquire ends one pin)."""
-
-    slot: int
-    pins: int
-    until: float
 
 
 @dataclass(slots=True)
@@ -62,7 +54,8 @@ class Session:
     """The engine this session is a part of (its scheduler's and workers' sessions share
     one): an acquire of any of them ends the holds of all of them."""
     holds: dict[bytes, Hold] = field(default_factory=dict)
-    """Host hits lookups answered, held (slot pinned) until the acquires or the deadline."""
+    """Host hits lookups answered, held (slot pinned) until the acquires or the deadline
+    (``service.holds``)."""
     running: set[int] = field(default_factory=set)
     recent: OrderedDict[int, tuple[str, list[int]]] = field(default_factory=OrderedDict)
     cancelled: OrderedDict[int, None] = field(default_factory=OrderedDict)
@@ -248,55 +241,56 @@ class SessionTable:
 
     # ---- what lookups hold for the acquire that follows ----
 
+    def renew_holds(
+        self, session_id: str, hashes: Sequence[bytes], until: float, at_most: int | None
+    ) -> int:
+        """How many leading ``hashes`` (at most ``at_most``) the session holds already: each
+        of those holds is promised once more, until ``until`` (``holds.renew_prefix``)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                return 0
+            return lookup_holds.renew_prefix(session.holds, hashes, until, at_most)
+
     def add_holds(
         self, session_id: str, pinned: Sequence[tuple[bytes, int]], until: float, limit: int
     ) -> list[int]:
-        """Keeps ``pinned`` host hits (hash, slot) for the session until ``until``; returns the
-        slots NOT kept, which the caller unpins: beyond ``limit`` slots held and acquired, or
-        the session gone. A hit held already gains a pin (and the later deadline), within no
-        limit: it takes no other slot."""
+        """Keeps ``pinned`` host hits (hash, slot), pinned once each, for the session until
+        ``until``; returns the slots whose pin the caller gives back: beyond ``limit`` slots
+        held and acquired, the session gone, or held already (its hold keeps a pin of its
+        own and gains a promise, within no limit: it takes no other slot)."""
         with self._lock:
             session = self._sessions.get(session_id)
             if session is None:
                 return [slot for _, slot in pinned]
-            back: list[int] = []
             room = limit - len(session.holds) - session.acquired.total()
-            for block_hash, slot in pinned:
-                held = session.holds.get(block_hash)
-                if held is not None and held.slot == slot:
-                    held.pins += 1
-                    held.until = until
-                elif held is None and room > 0:
-                    session.holds[block_hash] = Hold(slot, 1, until)
-                    room -= 1
-                else:
-                    back.append(slot)
-            self.holds_refused[session.layout] += len(back)
+            back, refused = lookup_holds.keep_pinned(session.holds, pinned, until, room)
+            self.holds_refused[session.layout] += refused
             return back
 
+    def drop_promises(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
+        """Takes back the promise ``renew_holds`` made of each of ``hashes`` (its lookup was
+        not answered after all); returns the slots of the holds that ended."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            return [] if session is None else lookup_holds.end_promises(session.holds, hashes)
+
     def take_holds(self, session_id: str, hashes: Sequence[bytes]) -> list[int]:
-        """Ends one pin of each hold on ``hashes`` (their acquire has pinned them), of the
+        """Ends one promise of each hold on ``hashes`` (their acquire has pinned them), of the
         session and of every session of its engine on its layout (the engine's scheduler looks
-        up, its workers acquire); returns the slots to unpin."""
+        up, its workers acquire); returns the slots of the holds that ended, to unpin."""
         with self._lock:
             caller = self._sessions.get(session_id)
             if caller is None:
                 return []
             taken: list[int] = []
             for session in self._group_of(caller):
-                for block_hash in hashes:
-                    held = session.holds.get(block_hash)
-                    if held is None:
-                        continue
-                    taken.append(held.slot)
-                    held.pins -= 1
-                    if held.pins == 0:
-                        del session.holds[block_hash]
+                taken += lookup_holds.end_promises(session.holds, hashes)
             return taken
 
     def yield_oldest_hold(self, layout: bytes) -> list[int]:
-        """Ends the layout's hold nearest its deadline; returns its slot once per pin (empty
-        if the layout has none)."""
+        """Ends the layout's hold nearest its deadline; returns its slot (none if the layout
+        has no hold)."""
         with self._lock:
             oldest: tuple[float, Session, bytes] | None = None
             for session in self._sessions.values():
@@ -310,7 +304,7 @@ class SessionTable:
             _, session, block_hash = oldest
             held = session.holds.pop(block_hash)
             self.holds_yielded[layout] += 1
-            return [held.slot] * held.pins
+            return [held.slot]
 
     def _group_of(self, caller: Session) -> list[Session]:
         """The caller and, when it names an engine group, that group's sessions on its
@@ -331,7 +325,9 @@ class SessionTable:
                 late = [h for h, held in session.holds.items() if held.until <= now]
                 if late:
                     self.holds_expired[session.layout] += len(late)
-                    expired.append((session.layout, _unpins(session.holds.pop(h) for h in late)))
+                    expired.append(
+                        (session.layout, lookup_holds.pins_of(session.holds.pop(h) for h in late))
+                    )
         return expired
 
     # ---- slot ownership ----
@@ -391,10 +387,5 @@ def _leftovers(session: Session) -> Leftovers:
         session.session_id,
         session.client_pid,
         session.client_pid_ns,
-        _unpins(session.holds.values()),
+        lookup_holds.pins_of(session.holds.values()),
     )
-
-
-def _unpins(holds) -> list[int]:
-    """Each hold's slot once per pin it keeps."""
-    return [held.slot for held in holds for _ in range(held.pins)]

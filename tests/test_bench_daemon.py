@@ -29,6 +29,8 @@ MIX_KEYS = (
     "daemon_release_us_per_block",
     "daemon_notice_hot_us",
     "daemon_notice_idle_us",
+    "daemon_notice_fresh_hot_us",
+    "daemon_notice_fresh_idle_us",
 )
 
 

@@ -41,8 +41,10 @@ are the daemon's own and not the disk's), stores ``--hashes`` blocks, then:
   work per block of a ``--batch``-block call, in this process without the wire, its host tier
   full (each Reserve evicts what it takes): what grows with a store's or a load's length;
 * ``daemon_notice_hot_us``/``daemon_notice_idle_us`` (``per_block``): the daemon's own work on
-  a probed lookup's notice of ``--hashes`` held blocks (at most 1,024), back to back and after
-  an idle pause: what the slot operations' tail with many clients follows;
+  a probed lookup's notice of ``--hashes`` stored blocks (at most 1,024) that its session's
+  last notice holds already, as an engine's repeated lookups of a prefix find them, back to
+  back and after an idle pause: what the slot operations' tail with many clients follows;
+  ``daemon_notice_fresh_*`` the same with every hit held afresh (walked, pinned, held);
 * ``small_lookup_p99_ms``: a 16-hash lookup's p99 while another client hammers the daemon
   with full-size lookups (heavy calls run on worker threads, so they must not stall it);
 * ``small_lookup_p99_slow_remote_ms``: the same small host-hit lookup, one every 5 ms, its

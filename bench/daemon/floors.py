@@ -79,17 +79,23 @@ def idle_floors(hashes: int) -> dict[str, float]:
     return figures
 
 
-def hot_and_idle(name: str, call: Callable[[], object]) -> dict[str, float]:
+def hot_and_idle(
+    name: str, call: Callable[[], object], prepare: Callable[[], object] = lambda: None
+) -> dict[str, float]:
     """Medians of ``call``, in µs, back to back (``{name}_hot_us``) and after ``PAUSE_S``
-    asleep (``{name}_idle_us``), after a few untimed calls."""
+    asleep (``{name}_idle_us``), after a few untimed calls; ``prepare`` runs untimed before
+    each call (before the pause)."""
     hot, idle = [], []
     for _ in range(10):
+        prepare()
         call()
     for _ in range(ROUNDS):
+        prepare()
         start = time.perf_counter()
         call()
         hot.append(time.perf_counter() - start)
     for _ in range(ROUNDS):
+        prepare()
         time.sleep(PAUSE_S)
         start = time.perf_counter()
         call()
