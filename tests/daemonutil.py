@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -16,6 +17,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +29,12 @@ from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
 from kvtier.proto import kvtier_pb2 as pb
 from kvtier.proto import kvtier_pb2_grpc as pb_grpc
+from kvtier.service import daemon as daemon_module
 from kvtier.service.arena import SHM_DIR
+from kvtier.service.config import DaemonConfig
+from kvtier.service.events import EventHub
 from kvtier.service.relay.unix import private_dir_of
+from kvtier.service.store import BlockStore
 
 RUN = os.environ.setdefault("KVTIER_TEST_RUN", uuid.uuid4().hex[:8])
 """This pytest session's mark. Every process it starts inherits it (an engine's, a script's):
@@ -270,6 +276,20 @@ class Daemon:
         channel, stub = self.stub()
         with channel:
             return stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+@contextlib.contextmanager
+def in_process_daemon(host_bytes: int) -> Iterator[daemon_module.Daemon]:
+    """A daemon's operations called in this process (no server, no disk tier), shut down
+    after."""
+    config = DaemonConfig(name=daemon_name(), host_bytes=host_bytes, disk_bytes=0)
+    loop = asyncio.new_event_loop()
+    daemon = daemon_module.Daemon(config, BlockStore(config, EventHub(loop)))
+    try:
+        yield daemon
+    finally:
+        daemon.shutdown()
+        loop.close()
 
 
 def open_session(

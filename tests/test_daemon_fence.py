@@ -4,30 +4,25 @@ after a timer while it lives."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import platform
 import signal
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import pytest
 
 from kvtier.proto.contract import PROTOCOL_VERSION, pid_namespace
 from kvtier.service import fence as fence_module
-from kvtier.service.config import DaemonConfig
 from kvtier.service.daemon import Daemon
-from kvtier.service.events import EventHub
 from kvtier.service.fence import Fence
 from kvtier.service.liveness import process_gone, task_state
 from kvtier.service.sessions import Leftovers
-from kvtier.service.store import BlockStore
 from kvtier.service.tunables import TUNABLES
 from kvtier.tiers.lower import ALREADY_STORED
 
-from daemonutil import wait_until
+from daemonutil import in_process_daemon, wait_until
 
 BLOCK = 4096
 LAYOUT = b"s" * 16
@@ -107,12 +102,8 @@ def test_a_process_whose_main_thread_exited_is_not_gone():
 
 @pytest.fixture
 def daemon():
-    cfg = DaemonConfig(name=f"unit-{uuid.uuid4().hex[:8]}", host_bytes=4 * BLOCK, disk_bytes=0)
-    loop = asyncio.new_event_loop()
-    d = Daemon(cfg, BlockStore(cfg, EventHub(loop)))
-    yield d
-    d.shutdown()
-    loop.close()
+    with in_process_daemon(host_bytes=4 * BLOCK) as d:
+        yield d
 
 
 def lose_session(d: Daemon, pid: int, block_hash: bytes) -> str:

@@ -4,19 +4,13 @@ or pinning anything more."""
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import uuid
-
 import pytest
 
 from kvtier.proto.contract import PROTOCOL_VERSION
-from kvtier.service.config import DaemonConfig
-from kvtier.service.daemon import Daemon
-from kvtier.service.events import EventHub
 from kvtier.service.layout_store import HOST
 from kvtier.service.sessions import SessionTable
-from kvtier.service.store import BlockStore
+
+from daemonutil import block_hash, in_process_daemon
 
 LAYOUT = bytes(16)
 BLOCK = 4096
@@ -24,7 +18,7 @@ BLOCK_TOKENS = 16
 
 
 def hashes(tag: str, count: int) -> list[bytes]:
-    return [hashlib.blake2b(f"{tag}-{i}".encode(), digest_size=16).digest() for i in range(count)]
+    return [block_hash(tag, i) for i in range(count)]
 
 
 def test_a_hold_keeps_one_pin_for_all_its_promises():
@@ -63,12 +57,8 @@ def test_a_full_share_refuses_new_holds_but_never_a_promise():
 
 @pytest.fixture
 def daemon():
-    config = DaemonConfig(name=f"holds-{uuid.uuid4().hex[:8]}", host_bytes=16 * BLOCK, disk_bytes=0)
-    loop = asyncio.new_event_loop()
-    d = Daemon(config, BlockStore(config, EventHub(loop)))
-    yield d
-    d.shutdown()
-    loop.close()
+    with in_process_daemon(host_bytes=16 * BLOCK) as d:
+        yield d
 
 
 def test_a_held_prefix_is_looked_up_again_without_a_walk_or_a_pin(daemon, monkeypatch):

@@ -90,6 +90,7 @@ from kvtier.bench.limits import disk_writing, raw_disk_gbps
 from kvtier.bench.redis_server import RedisProcess
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.proto import contract
+from kvtier.service.config import DaemonConfig
 
 AIMS = {
     "lookup_p50_us": 50,
@@ -264,35 +265,39 @@ def run(args: argparse.Namespace) -> int:
     # slower on a busy machine (thread wake-ups, not bandwidth).
     torch.set_num_threads(1)
     block_bytes = args.block_kib << 10
-    # room for the stored lookup blocks, the copy rates' batches and the mix's newest stores
-    # (older ones are evicted as it stores more)
-    slots = args.hashes + 2 * args.batch * args.rounds + 64 * args.clients
+    # room for the stored lookup blocks, the copy rates' batches, the mix's newest stores
+    # (older ones are evicted as it stores more) and the slots that each session storing as
+    # the connector's worker does (the store-control client, each mix client) reserves ahead:
+    # without that room the mix client's first reservation evicted lookup blocks no lookup
+    # had touched yet, and with one client its first lookup missed
+    ahead = DaemonConfig.reserve_ahead_blocks
+    slots = args.hashes + 2 * args.batch * args.rounds + (64 + ahead) * args.clients + ahead
     root = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir="/tmp"))
     started = time.perf_counter()
     try:
         daemon, target = start_daemon(root / "host-only", slots * block_bytes, 0)
+        # the clients are closed however a phase ends: a client left open when the bench
+        # fails aborts the interpreter at exit (its channel's threads still running)
         try:
-            client = connect(target, block_bytes, root / "host-only")
-            rates = copy_rates(client, args.batch, args.rounds)
-            floor_ms = rpc_floor_ms(target)
-            hashes = hashes_for(args.hashes)
-            for i in range(0, len(hashes), args.batch):
-                chunk = hashes[i : i + args.batch]
-                if not client.commit(client.reserve(chunk)):
-                    raise RuntimeError("could not store the lookup blocks")
-            by_hash_us = store_control_us(client, args.batch, args.rounds)
-            worker = connect(target, block_bytes, root / "host-only", like_a_worker=True)
-            control_us = store_control_us(worker, args.batch, args.rounds, later=True)
-            worker.close()
-            plan = MixPlan(
-                target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index
-            )
-            mix = mix_figures(plan, args.clients)
-            lookups = lookup_figures(target, block_bytes, args)
-            small_p99 = small_lookup_p99_ms(
-                target, block_bytes, contract.MAX_HASHES, args.small_lookups
-            )
-            client.close()
+            with connect(target, block_bytes, root / "host-only") as client:
+                rates = copy_rates(client, args.batch, args.rounds)
+                floor_ms = rpc_floor_ms(target)
+                hashes = hashes_for(args.hashes)
+                for i in range(0, len(hashes), args.batch):
+                    chunk = hashes[i : i + args.batch]
+                    if not client.commit(client.reserve(chunk)):
+                        raise RuntimeError("could not store the lookup blocks")
+                by_hash_us = store_control_us(client, args.batch, args.rounds)
+                with connect(target, block_bytes, root / "host-only", True) as worker:
+                    control_us = store_control_us(worker, args.batch, args.rounds, later=True)
+                plan = MixPlan(
+                    target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index
+                )
+                mix = mix_figures(plan, args.clients)
+                lookups = lookup_figures(target, block_bytes, args)
+                small_p99 = small_lookup_p99_ms(
+                    target, block_bytes, contract.MAX_HASHES, args.small_lookups
+                )
         finally:
             daemon.terminate()
             daemon.wait(30)
