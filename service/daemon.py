@@ -196,7 +196,7 @@ class Daemon:
         until = time.monotonic() + self.config.lookup_hold_s
         held = self.sessions.renew_holds(session_id, hashes, until, probed_host) if hold else 0
         found = store.lookup(
-            hashes[held:],
+            hashes[held:] if held else hashes,
             session.block_tokens,
             hold=hold,
             at_most=None if probed_host is None else probed_host - held,

@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
                     if not client.commit(client.reserve(chunk)):
                         raise RuntimeError("could not store the lookup blocks")
                 by_hash_us = store_control_us(client, args.batch, args.rounds)
-                with connect(target, block_bytes, root / "host-only", True) as worker:
+                with connect(target, block_bytes, root / "host-only", like_a_worker=True) as worker:
                     control_us = store_control_us(worker, args.batch, args.rounds, later=True)
                 plan = MixPlan(
                     target, block_bytes, args.hashes, args.rate, args.seconds, args.lookup_index

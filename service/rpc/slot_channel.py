@@ -46,10 +46,11 @@ acquires do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -208,23 +209,30 @@ class _Channel(asyncio.Protocol):
         self._ended = True
         self._transport.close()
 
-    def _take(self) -> None:
-        """Runs the operations of every whole frame buffered, unless reading is held."""
+    @contextlib.contextmanager
+    def _one_frame(self) -> Iterator[None]:
+        """The answers made inside leave in one frame at its end; then reading is settled."""
         self._taking = True
         try:
-            while not self._ended and not self._held():
-                batch = self._next_batch()
-                if batch is None:
-                    break
-                self._start(batch)
-        except REFUSALS as exc:
-            if self._ops is not None:
-                self._server.servicer.refused(self._ops.context, exc, status_of(exc)[1])
-            self.end(exc)
+            yield
         finally:
             self._taking = False
             self._send()
         self._settle()
+
+    def _take(self) -> None:
+        """Runs the operations of every whole frame buffered, unless reading is held."""
+        with self._one_frame():
+            try:
+                while not self._ended and not self._held():
+                    batch = self._next_batch()
+                    if batch is None:
+                        break
+                    self._start(batch)
+            except REFUSALS as exc:
+                if self._ops is not None:
+                    self._server.servicer.refused(self._ops.context, exc, status_of(exc)[1])
+                self.end(exc)
 
     def _next_batch(self) -> pb.SlotOpBatch | None:
         """The first whole frame's batch, taken off the buffer; None until one is whole.
@@ -278,14 +286,9 @@ class _Channel(asyncio.Protocol):
         notices, self._notices = self._notices, []
         if self._ended:
             return
-        self._taking = True
-        try:
+        with self._one_frame():
             for notice in notices:
                 self._run(notice)
-        finally:
-            self._taking = False
-            self._send()
-        self._settle()
 
     def _answer(self, result: pb.SlotResult) -> None:
         self._answers.append(result)
