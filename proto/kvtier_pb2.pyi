@@ -17,7 +17,7 @@ ALREADY_STORED: SlotStatus
 NO_SPACE: SlotStatus
 
 class OpenRequest(_message.Message):
-    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group", "lost_sessions")
+    __slots__ = ("client_name", "layout_signature", "block_bytes", "block_tokens", "protocol_version", "client_pid", "client_pid_ns", "engine_group", "lost_sessions", "layout_description")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class OpenRequest(_message.Message):
     CLIENT_PID_NS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_GROUP_FIELD_NUMBER: _ClassVar[int]
     LOST_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     layout_signature: bytes
     block_bytes: int
@@ -36,7 +37,8 @@ class OpenRequest(_message.Message):
     client_pid_ns: int
     engine_group: str
     lost_sessions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ..., lost_sessions: _Optional[_Iterable[str]] = ...) -> None: ...
+    layout_description: str
+    def __init__(self, client_name: _Optional[str] = ..., layout_signature: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., client_pid: _Optional[int] = ..., client_pid_ns: _Optional[int] = ..., engine_group: _Optional[str] = ..., lost_sessions: _Optional[_Iterable[str]] = ..., layout_description: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("session_id", "daemon_id", "arena_path", "arena_bytes", "num_slots", "slot_bytes", "lease_ms", "max_hashes", "max_reserved", "max_acquired", "lookup_hold_ms", "slot_lookups", "reserve_ahead")
@@ -394,7 +396,7 @@ class LayoutStats(_message.Message):
     def __init__(self, layout: _Optional[str] = ..., slot_bytes: _Optional[int] = ..., num_slots: _Optional[int] = ..., arena_path: _Optional[str] = ..., disk: _Optional[str] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., quarantined_slots: _Optional[int] = ..., writing_behind: _Optional[int] = ..., held_slots: _Optional[int] = ..., holds_refused: _Optional[int] = ..., holds_expired: _Optional[int] = ..., holds_yielded: _Optional[int] = ..., holds_missed: _Optional[int] = ..., reserved_ahead_slots: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., pins_refused: _Optional[int] = ..., pins_missed: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers", "reserved_ahead_slots")
+    __slots__ = ("tiers", "sessions", "reserved_slots", "acquired_slots", "uptime_s", "events_dropped", "layouts", "quarantined_slots", "watchers", "reserved_ahead_slots", "layout_blocks")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +407,7 @@ class StatsResponse(_message.Message):
     QUARANTINED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WATCHERS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_AHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     sessions: int
     reserved_slots: int
@@ -415,7 +418,40 @@ class StatsResponse(_message.Message):
     quarantined_slots: int
     watchers: int
     reserved_ahead_slots: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., quarantined_slots: _Optional[int] = ..., watchers: _Optional[int] = ..., reserved_ahead_slots: _Optional[int] = ...) -> None: ...
+    layout_blocks: _containers.RepeatedCompositeFieldContainer[LayoutBlocks]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., sessions: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., acquired_slots: _Optional[int] = ..., uptime_s: _Optional[float] = ..., events_dropped: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[LayoutStats, _Mapping]]] = ..., quarantined_slots: _Optional[int] = ..., watchers: _Optional[int] = ..., reserved_ahead_slots: _Optional[int] = ..., layout_blocks: _Optional[_Iterable[_Union[LayoutBlocks, _Mapping]]] = ...) -> None: ...
+
+class LayoutBlocks(_message.Message):
+    __slots__ = ("layout", "open", "block_bytes", "block_tokens", "num_layers", "num_kv_heads", "head_size", "dtype", "description", "host_blocks", "disk_blocks", "disk", "remote", "remote_blocks_sent")
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    layout: str
+    open: bool
+    block_bytes: int
+    block_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    description: str
+    host_blocks: int
+    disk_blocks: int
+    disk: str
+    remote: bool
+    remote_blocks_sent: int
+    def __init__(self, layout: _Optional[str] = ..., open: _Optional[bool] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., description: _Optional[str] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., disk: _Optional[str] = ..., remote: _Optional[bool] = ..., remote_blocks_sent: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("layout_signature", "replay")

@@ -69,6 +69,7 @@ class Daemon:
         client_pid_ns: int = 0,
         engine_group: str = "",
         lost_sessions: Sequence[str] = (),
+        layout_description: str = "",
     ) -> Opened:
         """Blocking: the first Open of a layout creates its arena and opens its disk tier.
 
@@ -88,7 +89,7 @@ class Daemon:
             freed = self.fence.release(lost_sessions[: TUNABLES.max_lost_sessions])
             if freed:
                 log.info("%d fenced slots given back: their client reopened", freed)
-        store = self.store.open_layout(signature, block_bytes)
+        store = self.store.open_layout(signature, block_bytes, block_tokens, layout_description)
         if store.host.reclaim is None:
             store.host.reclaim = partial(self._yield_hold, store)
         if signature not in self.pins:

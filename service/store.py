@@ -4,9 +4,11 @@ One daemon serves every model on the node. The first ``Open`` of a layout (signa
 block size) creates its arena (``<arena_dir>/kvtier-<name>-<layout>``, ``host_bytes``) and its
 disk tier (``<data_dir>/<layout>/``, ``disk_bytes``); a layout served before finds its disk
 tier there again, with every block it committed. Layouts are built at their first ``Open``
-only, so a layout no engine uses any more costs no shared memory. At most ``max_layouts`` are
-served at once. A data directory of the one-layout daemon (``namespace.json`` and ``lmdb/``
-at its top) is moved into its layout's directory at start.
+only, so a layout no engine uses any more costs no shared memory; its blocks on disk are
+counted once at start and shown in the statistics (``layout_dirs``), with its shape, which
+``Open`` teaches the store (``layout_shape``) and the layout's directory keeps. At most
+``max_layouts`` are served at once. A data directory of the one-layout daemon
+(``namespace.json`` and ``lmdb/`` at its top) is moved into its layout's directory at start.
 """
 
 from __future__ import annotations
@@ -22,13 +24,19 @@ from kvtier.proto.lookup_index import index_path
 from kvtier.service.arena import Arena
 from kvtier.service.config import DaemonConfig
 from kvtier.service.events import EventHub
+from kvtier.service.layout_dirs import (
+    DISK_DIR,
+    NAMESPACE_FILE,
+    RestingLayout,
+    read_namespace,
+    resting_layouts,
+    write_namespace,
+)
+from kvtier.service.layout_shape import LayoutShape
 from kvtier.service.layout_store import LayoutStore
 from kvtier.tiers.disk.directory import TierDirectory
 
 log = logging.getLogger(__name__)
-
-NAMESPACE_FILE = "namespace.json"
-DISK_DIR = "lmdb"
 
 
 class LayoutRefused(ValueError):
@@ -43,11 +51,15 @@ class BlockStore:
         self.events = events
         self._lock = threading.Lock()
         self._layouts: dict[bytes, LayoutStore] = {}
+        self._shapes: dict[bytes, LayoutShape] = {}
+        self._resting: dict[bytes, RestingLayout] = {}
         # One daemon per data directory: a second one would hand out the same disk slots.
         self._dir = TierDirectory(str(config.disk_path)) if config.disk_bytes > 0 else None
         if self._dir is not None:
             try:
                 self._migrate_single_layout(config.disk_path)
+                for resting in resting_layouts(config.disk_path):
+                    self._resting[resting.signature] = resting
             except BaseException:
                 self._dir.release()
                 raise
@@ -59,18 +71,41 @@ class BlockStore:
     def get(self, signature: bytes) -> LayoutStore | None:
         return self._layouts.get(signature)
 
-    def open_layout(self, signature: bytes, block_bytes: int) -> LayoutStore:
-        """The layout's store, built at its first call; later calls must agree on its size."""
+    def shape(self, signature: bytes) -> LayoutShape:
+        """What the layout is, as far as its ``Open`` calls (and its directory) said."""
+        return self._shapes.get(signature) or LayoutShape()
+
+    def resting(self) -> list[RestingLayout]:
+        """Layouts whose blocks lay on disk at start, no session has opened since."""
+        with self._lock:
+            return list(self._resting.values())
+
+    def open_layout(
+        self, signature: bytes, block_bytes: int, block_tokens: int = 0, description: str = ""
+    ) -> LayoutStore:
+        """The layout's store, built at its first call; later calls must agree on its size.
+        ``block_tokens`` and ``description`` (``layout_shape``) teach the store its shape."""
         with self._lock:
             store = self._layouts.get(signature)
-            if store is None:
+            built = store is None
+            if built:
                 store = self._build(signature, block_bytes)
-                self._save_namespace(store)
-        if block_bytes != store.block_bytes:
-            raise LayoutRefused(
-                f"layout {signature.hex()} has {store.block_bytes} B blocks here, not "
-                f"{block_bytes} B; a layout signature must name one block size"
-            )
+                self._resting.pop(signature, None)
+            elif block_bytes != store.block_bytes:
+                raise LayoutRefused(
+                    f"layout {signature.hex()} has {store.block_bytes} B blocks here, not "
+                    f"{block_bytes} B; a layout signature must name one block size"
+                )
+            known = self._shapes.get(signature)
+            if known is None:
+                fields = (
+                    read_namespace(self._layout_dir(signature)) if store.disk is not None else {}
+                )
+                known = LayoutShape.from_saved(signature, fields)
+            shape = known.learn(signature, block_tokens, description)
+            self._shapes[signature] = shape
+            if built or shape != known:
+                self._save_namespace(store, shape)
         return store
 
     def close(self) -> None:
@@ -161,14 +196,12 @@ class BlockStore:
         os.replace(namespace, target / NAMESPACE_FILE)
         log.info("moved the disk tier of layout %s into %s", signature.hex(), target)
 
-    def _save_namespace(self, store: LayoutStore) -> None:
+    def _save_namespace(self, store: LayoutStore, shape: LayoutShape) -> None:
         if store.disk is None:
             return
-        directory = self._layout_dir(store.signature)
-        path = directory / NAMESPACE_FILE
-        tmp = path.with_suffix(".tmp")
-        fields = {"layout_signature": store.signature.hex(), "block_bytes": store.block_bytes}
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(fields, f)
-        os.replace(tmp, path)
+        try:
+            write_namespace(
+                self._layout_dir(store.signature), store.signature, store.block_bytes, shape
+            )
+        except OSError as exc:  # the shape is for statistics: no reason to refuse a session
+            log.error("layout %s: namespace.json not written: %s", store.hex, exc)

@@ -65,7 +65,9 @@ class DaemonClient:
     shared-memory index (``lookups``); ``slot_stream``, ``slot_channel``: see ``SlotCalls``.
     ``reserve_ahead=True`` keeps slots reserved ahead of the stores where the daemon offers
     it (``stores``): a store then waits for no Reserve, but a block the daemon holds already
-    is copied before its Commit finds that out (``commit_later``'s ``not_stored``)."""
+    is copied before its Commit finds that out (``commit_later``'s ``not_stored``).
+    ``layout_description``: the layout's ``KVLayout.describe()``, which lets ``kvtier stats``
+    say what the layout is (tokens per block, layers, heads, dtype) beside its blocks."""
 
     def __init__(
         self,
@@ -86,6 +88,7 @@ class DaemonClient:
         slot_stream: bool = True,
         slot_channel: bool = True,
         reserve_ahead: bool = False,
+        layout_description: str = "",
     ):
         if len(layout_signature) != 16:
             raise ValueError("layout_signature must be 16 bytes")
@@ -122,6 +125,7 @@ class DaemonClient:
             block_tokens=block_tokens,
             protocol_version=contract.PROTOCOL_VERSION,
             engine_group=engine_group,
+            layout_description=layout_description,
             **(local if unix else {}),
         )
         self._keeper = SessionKeeper(

@@ -130,6 +130,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
                 client_pid_ns=pid_ns,
                 engine_group=request.engine_group[:128],
                 lost_sessions=list(request.lost_sessions),
+                layout_description=request.layout_description,
             )
         )
         arena = opened.store.arena
@@ -346,6 +347,7 @@ class KvTierServicer(pb_grpc.KvTierServicer):
         return pb.StatsResponse(
             tiers=[_tier_stats(t) for t in stats.pop("tiers")],
             layouts=[pb.LayoutStats(**layout) for layout in stats.pop("layouts")],
+            layout_blocks=[pb.LayoutBlocks(**layout) for layout in stats.pop("layout_blocks")],
             **stats,
         )
 

@@ -1,7 +1,10 @@
 """``kvtier stats``: a running daemon's hits per tier, as a table or JSON.
 
 Asks the daemon's ``Stats`` call over its unix socket (or ``--target`` with a token), so it
-needs no HTTP port. ``--watch`` redraws every few seconds until interrupted.
+needs no HTTP port. ``--watch`` redraws every few seconds until interrupted. Below the tiers, a
+table of blocks per layout, each layout described (tokens per block, layers, KV heads, head
+size, dtype: ``?`` where no client said), layouts found on disk that no session has opened
+since the daemon started included: blocks of a layout no engine asks for any more.
 """
 
 from __future__ import annotations
@@ -32,6 +35,14 @@ _COLUMNS = (
     ("promoted", "blocks_promoted", "{:,}"),
     ("bad sums", "checksum_failures", "{:,}"),
 )
+# per-layout table: title, LayoutBlocks field
+_SHAPE = (
+    ("tokens", "block_tokens"),
+    ("layers", "num_layers"),
+    ("kv heads", "num_kv_heads"),
+    ("head size", "head_size"),
+)
+RESTING_NOTE = "on disk only: no session since start"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,4 +139,36 @@ def render_table(stats: pb.StatsResponse) -> str:
             f"layout {layout.layout[:12]}: {layout.num_slots:,} slots of {layout.slot_bytes:,} B, "
             f"{layout.writing_behind:,} writing to disk, disk {layout.disk}"
         )
+    if stats.layout_blocks:
+        lines += ["", *render_layout_blocks(stats.layout_blocks)]
     return "\n".join(lines)
+
+
+def render_layout_blocks(layouts) -> list[str]:
+    """Blocks per layout and tier, each layout described: a layout on disk only (no session
+    since start) is one no engine of this node has asked for since, stranded or not yet back.
+    The remote column counts what this daemon sent the shared store since it started."""
+    remote = any(layout.remote for layout in layouts)
+    title = ["layout", *(t for t, _ in _SHAPE), "dtype", "host blocks", "disk blocks"]
+    rows = [[*title, *(["remote sent"] if remote else []), ""]]
+    for layout in layouts:
+        shape = (getattr(layout, field) for _, field in _SHAPE)
+        row = [layout.layout[:12], *(f"{n:,}" if n else "?" for n in shape), layout.dtype or "?"]
+        row.append(f"{layout.host_blocks:,}" if layout.open else "-")
+        row.append(f"{layout.disk_blocks:,}" if layout.disk in ("ok", "") else "-")
+        if remote:
+            row.append(f"{layout.remote_blocks_sent:,}" if layout.remote else "-")
+        notes = [] if layout.open else [RESTING_NOTE]
+        if layout.disk not in ("ok", "off", ""):
+            notes.append(f"disk {layout.disk}")
+        row.append("; ".join(notes))
+        rows.append(row)
+    left = {0, len(_SHAPE) + 1, len(rows[0]) - 1}  # layout, dtype, notes
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.ljust(w) if i in left else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]

@@ -100,6 +100,7 @@ class StatsCollector(Collector):
                 family.add_metric([layout["layout"]], layout[name])
             yield family
         yield from _pin_metrics(stats["layouts"])
+        yield from _layout_metrics(stats["layout_blocks"])
         yield GaugeMetricFamily("kvtier_sessions", "Open client sessions", value=stats["sessions"])
         yield GaugeMetricFamily(
             "kvtier_reserved_slots",
@@ -147,6 +148,30 @@ def _pin_metrics(layouts: list[dict]) -> Iterator[Metric]:
         refused.add_metric([layout["layout"]], layout["pins_refused"])
         missed.add_metric([layout["layout"]], layout["pins_missed"])
     yield from (pinned, refused, missed)
+
+
+def _layout_metrics(layouts: list[dict]) -> Iterator[Metric]:
+    """Blocks per layout in the host and disk tiers, layouts on disk that no session opened
+    since the start included (their count is read once, at start), and what each layout is."""
+    blocks = GaugeMetricFamily(
+        "kvtier_layout_blocks",
+        "Blocks held per layout and tier (disk: also layouts no session opened since start)",
+        labels=["layout", "tier", "block_tokens"],
+    )
+    info = GaugeMetricFamily(
+        "kvtier_layout_info",
+        "What a layout is (0 or empty: not known); open: a session opened it since start",
+        labels=["layout", "block_tokens", "layers", "kv_heads", "head_size", "dtype", "open"],
+    )
+    for layout in layouts:
+        tokens = str(layout["block_tokens"])
+        if layout["open"]:
+            blocks.add_metric([layout["layout"], "host", tokens], layout["host_blocks"])
+        blocks.add_metric([layout["layout"], "disk", tokens], layout["disk_blocks"])
+        shape = [str(layout[k]) for k in ("num_layers", "num_kv_heads", "head_size", "dtype")]
+        opened = "true" if layout["open"] else "false"
+        info.add_metric([layout["layout"], tokens, *shape, opened], 1)
+    yield from (blocks, info)
 
 
 class Metrics:

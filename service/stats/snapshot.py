@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 
+from kvtier.service.layout_store import DISK, HOST, REMOTE
+
 
 def snapshot(daemon) -> dict:
     """Every counter of ``daemon`` (a ``Daemon``), as plain values."""
     held = daemon.fence.held()
-    tiers, layouts = [], []
+    tiers, layouts, blocks = [], [], []
     for store in daemon.store.layouts():
         sessions, reserved, ahead, acquired, holds = daemon.sessions.held(store.signature)
         quarantined = sum(
@@ -44,10 +46,13 @@ def snapshot(daemon) -> dict:
                 **_pin_stats(daemon, store.signature),
             }
         )
+        blocks.append(_served_blocks(daemon, store))
+    blocks += [_resting_blocks(resting) for resting in daemon.store.resting()]
     sessions, reserved, ahead, acquired, _ = daemon.sessions.held()
     return {
         "tiers": tiers,
         "layouts": layouts,
+        "layout_blocks": blocks,
         "sessions": sessions,
         "reserved_slots": reserved,
         "reserved_ahead_slots": ahead,
@@ -56,6 +61,38 @@ def snapshot(daemon) -> dict:
         "uptime_s": time.monotonic() - daemon.started,
         "events_dropped": daemon.events.dropped,
         "watchers": len(daemon.events),
+    }
+
+
+def _served_blocks(daemon, store) -> dict:
+    """A served layout's blocks per tier (counters kept as they change: nothing is read)."""
+    remote = store.counters.get(REMOTE)
+    return {
+        "layout": store.hex,
+        "open": True,
+        "block_bytes": store.block_bytes,
+        **daemon.store.shape(store.signature).as_dict(),
+        "host_blocks": store.counters[HOST].used_blocks,
+        "disk_blocks": store.counters[DISK].used_blocks,
+        "disk": store.disk_state,
+        "remote": remote is not None,
+        "remote_blocks_sent": remote.blocks_stored if remote is not None else 0,
+    }
+
+
+def _resting_blocks(resting) -> dict:
+    """A layout found on disk at start that no session has opened since: its blocks as its
+    index counted them then (nothing can have changed them)."""
+    return {
+        "layout": resting.signature.hex(),
+        "open": False,
+        "block_bytes": resting.block_bytes,
+        **resting.shape.as_dict(),
+        "host_blocks": 0,
+        "disk_blocks": resting.disk_blocks,
+        "disk": resting.disk,
+        "remote": False,
+        "remote_blocks_sent": 0,
     }
 
 
