@@ -30,6 +30,7 @@ import torch
 import xxhash
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # (why: vllmharness)
 
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -50,6 +51,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 import kvtier.connector.vllm.connector as connector_module
+from kvtier.connector.vllm.compat import resumed_req_ids
 from kvtier.connector.vllm.metadata import KVTierMetadata
 
 import vllmharness as harness
@@ -284,9 +286,10 @@ class ModelEngine:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = [list(new.block_ids[g]) for g in range(num_groups)]
         cached = out.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 self.block_tables[req_id] = [list(ids[g]) if ids else [] for g in range(num_groups)]
             elif ids:
                 for g in range(num_groups):

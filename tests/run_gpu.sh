@@ -67,7 +67,8 @@ for name in "${steps[@]}"; do
     case $name in
     tests)
         step 300 "cuda tests" python3 -m pytest -q -p no:cacheprovider -m cuda \
-            tests/test_cuda_copy.py tests/test_cuda_tiers.py tests/test_engine_bench_gpu.py \
+            tests/test_cuda_copy.py tests/test_cuda_tiers.py tests/test_cuda_kv_memory.py \
+            tests/test_engine_bench_gpu.py \
             tests/test_engine.py
         ;;
     gpu)

@@ -14,6 +14,7 @@ daemon's is in ``vllmdaemon``), as pytest finds fixtures only in test modules an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -24,6 +25,13 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# vLLM 0.34's x86 CPU platform refuses a config unless Triton is usable, for its CPU model
+# runner's kernels. These tests build vLLM's scheduler and KV cache config, never a model
+# runner nor a kernel, from vLLM's CUDA build on a machine with no GPU: CUDA's own
+# "no device visible" (an empty CUDA_VISIBLE_DEVICES, true of this process) is what vLLM reads
+# as "Triton's GPU driver comes later", and keeps the Triton it ships with importable. A test
+# that ran a Triton kernel would fail at once, never run on the wrong device.
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 pytest.importorskip("vllm")
 
 import torch
@@ -49,6 +57,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
+from kvtier.connector.vllm.compat import resumed_req_ids
 from kvtier.connector.vllm.connector import KVTierConnector
 from kvtier.connector.vllm.metadata import KVTierMetadata
 
@@ -80,11 +89,16 @@ class Engine:
         num_blocks: int = 64,
         kv_layout: str = "LBHNC",
         max_batched_tokens: int = 256,
+        scheduler: dict | None = None,
         **extra,
     ):
+        """``scheduler``: vLLM's ``SchedulerConfig`` fields beyond the harness's; ``extra``:
+        ``kv_connector_extra_config``."""
         extra.setdefault("endpoint", daemon.target)
         extra.setdefault("connect_wait_s", 30.0)
-        self.vllm_config = make_vllm_config(model_dir, extra, max_batched_tokens, kv_layout)
+        self.vllm_config = make_vllm_config(
+            model_dir, extra, max_batched_tokens, kv_layout, scheduler
+        )
         spec = FullAttentionSpec(
             block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD, dtype=torch.float16
         )
@@ -197,9 +211,10 @@ class Engine:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in resumed:
                 self.block_tables[req_id] = list(ids[0]) if ids else []
             elif ids:
                 self.block_tables[req_id].extend(ids[0])
@@ -240,16 +255,25 @@ class Engine:
         self.connector.shutdown()
 
 
-def make_vllm_config(model_dir: Path, extra: dict, max_batched_tokens: int, layout: str):
+def make_vllm_config(
+    model_dir: Path,
+    extra: dict,
+    max_batched_tokens: int,
+    layout: str,
+    scheduler_kw: dict | None = None,
+):
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=4096
     )
     scheduler = SchedulerConfig(
-        max_num_seqs=16,
-        max_num_batched_tokens=max_batched_tokens,
-        max_model_len=4096,
-        enable_chunked_prefill=True,
-        is_encoder_decoder=False,
+        **{
+            "max_num_seqs": 16,
+            "max_num_batched_tokens": max_batched_tokens,
+            "max_model_len": 4096,
+            "enable_chunked_prefill": True,
+            "is_encoder_decoder": False,
+            **(scheduler_kw or {}),
+        }
     )
     cache = CacheConfig(block_size=BLOCK, cache_dtype="auto", enable_prefix_caching=True)
     # vLLM resolves the layout (asking the connector) before it builds connectors.
@@ -292,9 +316,15 @@ def runner_output(sampled: dict[str, list[int]], kv_output: KVConnectorOutput) -
     """What vLLM's model runner returns for a step: each request's sampled tokens, in the
     order given, and the connector's output."""
     req_ids = list(sampled)
+    # vLLM 0.34 dropped req_id_to_index (the order of req_ids is the index).
+    index = (
+        {"req_id_to_index": {r: i for i, r in enumerate(req_ids)}}
+        if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
+        else {}
+    )
     return ModelRunnerOutput(
         req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        **index,
         sampled_token_ids=[sampled[r] for r in req_ids],
         logprobs=None,
         prompt_logprobs_dict={},

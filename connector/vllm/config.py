@@ -116,6 +116,7 @@ class KVTierConfig:
             layout.signature,
             layout.block_bytes,
             block_tokens=layout.block_size,
+            layout_description=layout.describe(),  # kvtier stats describes the layout by it
             target=self.target(),
             token=self.token(),
             client_name=name,

@@ -36,6 +36,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.connector.vllm.compat import DRIFT_ERRORS
 from kvtier.connector.vllm.config import KVTierConfig, check_load_failure_policy
 from kvtier.connector.vllm.groups import NO_PIPELINE, Pipeline, groups_from_kv_cache_config
 from kvtier.connector.vllm.identity import model_identity
@@ -149,6 +150,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self.worker.restore_kv_caches()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVTierMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
@@ -189,35 +196,72 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None, "a scheduler-side call on a worker's connector"
         return self._scheduler
 
+    # Whatever a newer vLLM changed in the objects these read costs hits, never vLLM's step
+    # (``compat.VllmDrift``): each catches what reading a changed object raises.
+
     def on_new_request(self, request) -> None:
-        self.scheduler.hits.on_new_request(request)
+        if self.scheduler.drift.lost_track:
+            return
+        try:
+            self.scheduler.hits.on_new_request(request)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("on_new_request", error)
+
+    def may_load_async(self, request) -> bool:
+        if self.scheduler.drift.lost_track:
+            return False
+        try:
+            return self.scheduler.hits.may_load_async(request)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("may_load_async", error)
+            return False
 
     def get_num_new_matched_tokens(
         self, request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.hits.get_num_new_matched_tokens(request, num_computed_tokens)
+        if self.scheduler.drift.lost_track:
+            return 0, False
+        try:
+            return self.scheduler.hits.get_num_new_matched_tokens(request, num_computed_tokens)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("get_num_new_matched_tokens", error)
+            return 0, False
 
     def get_external_cache_hit_sources(
         self, request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        return self.scheduler.hits.hit_sources(request, num_external_tokens)
+        try:
+            return self.scheduler.hits.hit_sources(request, num_external_tokens)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("get_external_cache_hit_sources", error)
+            return {}
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        self.scheduler.hits.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self.scheduler.hits.update_state_after_alloc(request, blocks, num_external_tokens)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("update_state_after_alloc", error, lost_track=True)
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        try:
+            self.scheduler.update_connector_output(connector_output)
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("update_connector_output", error, lost_track=True)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        return self.scheduler.request_finished(request, [block_ids]), None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict | None]:
-        return self.scheduler.request_finished(request, list(block_ids)), None
+        try:
+            return self.scheduler.request_finished(request, list(block_ids)), None
+        except DRIFT_ERRORS as error:
+            self.scheduler.drift.seen("request_finished", error, lost_track=True)
+            return False, None
 
     def reset_cache(self) -> bool:
         return self.scheduler.reset_cache()

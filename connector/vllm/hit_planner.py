@@ -12,6 +12,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.vllm.adapters import AdapterKeys
 from kvtier.connector.vllm.capacity import TierWatch
+from kvtier.connector.vllm.compat import skips_external_kv
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.gate import LoadGate
 from kvtier.connector.vllm.groups import KVGroup
@@ -156,19 +157,40 @@ class HitPlanner:
     def on_new_request(self, request) -> None:
         """Asks about the whole prompt at once, so the answer is in when vLLM asks (its own GPU
         hit then being 0, which a prompt that reaches kvtier usually has)."""
-        state = self._state(request)
-        if request.prompt_embeds is None:
-            end = self.hash_to(state, request.num_tokens - 1)
-            if end >= self._min_hit_tokens:
-                self._lookup(state, 0, end)
+        state = self._state(request)  # stored as it is computed, even if it may read nothing
+        if not self._may_read(request):
+            return
+        end = self.hash_to(state, request.num_tokens - 1)
+        if end >= self._min_hit_tokens:
+            self._lookup(state, 0, end)
+
+    def may_load_async(self, request) -> bool:
+        """Whether ``request`` will load asynchronously: the daemon's answer about its prompt is
+        in (from ``on_new_request``; the lookup index answers most at once) and is a hit worth
+        loading. vLLM asks as it queues the request, to let its load start while the running
+        batch is full: an answer still on its way says no (the request then loads once it
+        reaches a running slot) rather than hold back other loads for a hit that may not be."""
+        if not self.config.load_async or not self._may_read(request):
+            return False
+        state = self.requests.get(request.request_id)
+        lookup = state.lookup if state is not None else None
+        if lookup is None or not lookup.done():
+            return False
+        return lookup.hits().tokens >= self._min_hit_tokens
+
+    @staticmethod
+    def _may_read(request) -> bool:
+        """Token ids name the request's KV (not embeddings) and it may read KV it did not
+        compute: else it is never looked up."""
+        return request.prompt_embeds is None and not skips_external_kv(request)
 
     def get_num_new_matched_tokens(
         self, request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed_tokens`` that kvtier can load, and whether async;
         ``None`` while the daemon has not answered."""
-        if request.prompt_embeds is not None:
-            return 0, False  # token ids do not name embeddings
+        if not self._may_read(request):
+            return 0, False
         state = self._state(request)
         start = num_computed_tokens // self.align * self.align
         # Never the block holding the last token: vLLM needs one real forward for logits.

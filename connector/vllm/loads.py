@@ -106,6 +106,15 @@ class StreamedLoad:
             self.failed = True
             fail(self.spec, self.spec.block_ids[self.next :])
 
+    def give_up(self, release: Callable[[list[int]], None], fail: Fail) -> None:
+        """Ends the load where it stands, once its copies have landed: slots acquired and not
+        copied go back, and the blocks not copied are failed."""
+        self.abandon(release)
+        self.copying = None
+        if not self.landed:
+            self.failed = True
+            fail(self.spec, self.spec.block_ids[self.next :])
+
     def abandon(self, release: Callable[[list[int]], None]) -> None:
         """At shutdown: gives back the slots of an acquire that has not been copied."""
         if self.acquiring is not None:

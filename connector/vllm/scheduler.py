@@ -34,6 +34,7 @@ import os
 
 import xxhash
 
+from kvtier.connector.vllm.compat import DRIFT_ERRORS, VllmDrift, resumed_req_ids
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.events import TAG_BYTES, TierEvents, identities
 from kvtier.connector.vllm.groups import KVGroup, alignment_tokens
@@ -42,7 +43,7 @@ from kvtier.connector.vllm.identity import ModelIdentity
 from kvtier.connector.vllm.metadata import KVTierMetadata, StoreSpec
 from kvtier.connector.vllm.pins import RequestPins
 from kvtier.connector.vllm.request import RequestState
-from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
+from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats, follow_worker_trips
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class SchedulerSide:
         # still reading such a block before the step that reuses it.
         self._frees_blocks = any(group.windowed for group in groups)
         self.stats = KVTierStats()
+        # vLLM objects that lacked what the connector reads (``lost_track``: no hits, no stores)
+        self.drift = VllmDrift(lambda n: self.stats.add("vllm_mismatches", n))
         self.hits = HitPlanner(
             config,
             groups,
@@ -139,11 +142,24 @@ class SchedulerSide:
     # ---- steps ----
 
     def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
-        """This step's loads and stores; clears what it hands out."""
+        """This step's loads and stores; clears what it hands out. The loads were promised
+        to vLLM, so they go out whatever else fails to read."""
         meta = KVTierMetadata(
             loads=self.hits.take_loads(), stores=self._stores, delay_free=self._delay_free_new
         )
         self._stores, self._delay_free_new = [], set()
+        if self.drift.lost_track:
+            return meta
+        planned = list(meta.stores)
+        try:
+            self._follow_step(meta, scheduler_output)
+        except DRIFT_ERRORS as error:
+            meta.stores = planned  # block tables half updated: no store planned from them
+            self.drift.seen("build_connector_meta", error, lost_track=True)
+        return meta
+
+    def _follow_step(self, meta: KVTierMetadata, scheduler_output) -> None:
+        """Takes in preemptions, block tables, and the stores of the blocks this step fills."""
         self.hits.observe_step(scheduler_output)
         # Preemptions first: a request preempted by reset_prefix_cache is resumed in the
         # same step and reported in both, and its resumption is the newer fact.
@@ -167,16 +183,17 @@ class SchedulerSide:
                 # and kvtier loads; everything from there on is computed, so stored, here.
                 computed = new.num_computed_tokens
                 state.stored_blocks = [computed // group.block_size for group in self.groups]
-            # else it is resumed (a streaming session's next chunk): it keeps its count.
+            # else resumed (a streaming session's next chunk; from vLLM 0.34 on, a preemption)
             self._admitted(state)
             self._plan_compute_store(meta, state, new.num_computed_tokens + scheduled[new.req_id])
             self._note_new_blocks(meta, new.block_ids)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, req_id in enumerate(cached.req_ids):
             state = self.hits.requests[req_id]
             new_ids = cached.new_block_ids[i]
             for g, group in enumerate(self.groups):
-                if req_id in cached.resumed_req_ids:
+                if req_id in resumed:
                     state.block_ids[g] = list(new_ids[group.index]) if new_ids else []
                 elif new_ids:
                     state.block_ids[g].extend(new_ids[group.index])
@@ -184,7 +201,6 @@ class SchedulerSide:
             end = cached.num_computed_tokens[i] + scheduled[req_id]
             self._plan_compute_store(meta, state, end)
             self._note_new_blocks(meta, new_ids)
-        return meta
 
     def _note_new_blocks(self, meta: KVTierMetadata, block_ids) -> None:
         if self._frees_blocks and block_ids:
@@ -228,7 +244,7 @@ class SchedulerSide:
         """Stores of each group's blocks from ``stored_blocks`` to the last full one before
         token ``end`` whose ids and tokens are known, skipping what slid out of a window."""
         request = state.request
-        if state.stale:
+        if state.stale or self.drift.lost_track:
             return []
         processed = request.num_computed_tokens - request.num_in_flight_tokens
         if state.verify_end:
@@ -303,7 +319,7 @@ class SchedulerSide:
     def update_connector_output(self, output) -> None:
         """Rewinds what failed loads counted as stored; forgets loads that landed; stops
         asking a daemon a worker found not answering."""
-        self._follow_worker_trips(output.kv_connector_stats)
+        follow_worker_trips(output.kv_connector_stats, self.clients.values())
         invalid = output.invalid_block_ids
         if invalid:
             for state in self.hits.loading.values():
@@ -326,18 +342,6 @@ class SchedulerSide:
         for req_id in output.finished_sending or ():
             self._delayed_free.discard(req_id)
             self.pins.sent(req_id)
-
-    def _follow_worker_trips(self, reported: KVTierStats | None) -> None:
-        """A worker in a process of its own waits out deadlines: lookups sent now would each
-        wait one too, and the requests behind them. Only a breaker still open when the worker
-        reported counts: a trip already over (the daemon restarted between two steps and
-        answers again) would make the next lookups miss for nothing. (A worker in this
-        process shares the breaker, which then is open already.)"""
-        if reported is None or not reported.data.get("workers_unanswered"):
-            return
-        for client in self.clients.values():
-            if not client.breaker.is_open:
-                client.breaker.trip("a worker found the daemon not answering")
 
     def reset_cache(self) -> bool:
         """Fences off every block stored so far: this engine never loads them again.

@@ -37,6 +37,8 @@ COUNTERS: dict[str, str] = {
     "store_failed_blocks": "Blocks not stored (no free slot, daemon down or commit refused)",
     "loaded_bytes": "Bytes copied from kvtier into vLLM's KV cache",
     "stored_bytes": "Bytes copied from vLLM's KV cache into kvtier",
+    "vllm_mismatches": "Calls in which a vLLM object lacked what the connector reads (a vLLM "
+    "newer than the connector knows): each costs external hits, never the engine's step",
 }
 TIERS = ("host", "disk", "remote")
 TIER_COUNTERS: dict[str, str] = {
@@ -169,6 +171,21 @@ def _per_tier(
         }
         for tier in TIERS
     }
+
+
+def follow_worker_trips(reported: KVTierStats | None, clients: Iterable[DaemonClient]) -> None:
+    """Opens the scheduler's breakers when a worker reported its own open (``SIGNALS``).
+
+    A worker in a process of its own waits out deadlines: lookups sent now would each wait one
+    too, and the requests behind them. Only a breaker still open when the worker reported
+    counts: a trip already over (the daemon restarted between two steps and answers again)
+    would make the next lookups miss for nothing. (A worker in this process shares the
+    breaker, which then is open already.)"""
+    if reported is None or not reported.data.get("workers_unanswered"):
+        return
+    for client in clients:
+        if not client.breaker.is_open:
+            client.breaker.trip("a worker found the daemon not answering")
 
 
 class DaemonTrouble:

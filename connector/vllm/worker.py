@@ -50,13 +50,12 @@ import torch
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.groups import KVGroup
-from kvtier.connector.vllm.layout import kv_placement
+from kvtier.connector.vllm.kv_memory import KVMemory
 from kvtier.connector.vllm.loads import InFlight, StreamedLoad
 from kvtier.connector.vllm.metadata import KVTierMetadata, LoadSpec, StoreSpec, unpack
 from kvtier.connector.vllm.stats import DaemonTrouble, KVTierStats
 from kvtier.connector.vllm.stores import CommitAnswers, PendingStore, StoreQueue, StoreReaders
 from kvtier.tiers.gpu.copy_engine import CopyEngine
-from kvtier.tiers.gpu.pinned import register_host, unregister_host
 from kvtier.tiers.gpu.transfer import Transfer
 from kvtier.tiers.lower import ALREADY_STORED
 
@@ -90,7 +89,7 @@ class WorkerSide:
                 )
                 break
         self.stats = KVTierStats()
-        self.engines: dict[int, CopyEngine] = {}
+        self._memory = KVMemory(self.groups, self._client)
         # Acquire answers for async loads; reserves for deferred stores; commits.
         self._acquirer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-acquire")
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-reserve")
@@ -117,27 +116,30 @@ class WorkerSide:
     # ---- set-up and teardown ----
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        locked: set[int] = set()
-        for group in self.groups.values():
-            placement = kv_placement(group.layout, kv_caches, list(group.layer_names))
-            client = self._client(group)
-            if placement.device.type == "cuda" and id(client) not in locked:
-                locked.add(id(client))
-                device = placement.device
-                client.page_lock_with(
-                    partial(register_host, device=device, row_bytes=client.block_bytes),
-                    lambda slab, device=device: unregister_host(slab.data_ptr(), device),
-                )
-            engine = CopyEngine(placement, client.slab, lock_host=False)
-            self.engines[group.index] = engine
-            copies = "one DMA per block" if placement.block_contiguous else "staged"
-            arena = "page-locked" if client.page_locked else "not locked yet"
-            log.info(
-                "kvtier worker %d, group %d (%s): %d layers, %d blocks of %d B on %s (%s), "
-                "arena %s",
-                *(self.rank, group.index, group.kind, group.layout.num_layers),
-                *(placement.num_blocks, group.layout.block_bytes, placement.device, copies, arena),
-            )
+        self._memory.register(kv_caches, self.rank)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM releases the KV cache's memory next (sleep, or a weight update under the
+        extensible KV cache): every store reads its blocks now, every copy lands, and an async
+        load not copied within the daemon's deadline is given up (vLLM recomputes it). No copy
+        touches the cache again until ``restore_kv_caches``. Called again, does nothing."""
+        if not self._memory.usable:
+            return
+        self.wait_for_loads(timeout=max(client.timeout_s for client in self.clients.values()))
+        self.drain()
+        for load in self._loads():
+            load.give_up(self._client(self.groups[load.spec.group]).release, self._failed)
+        self._memory.release()
+
+    def restore_kv_caches(self) -> None:
+        """The KV cache's memory is back at the views vLLM registered (what it held is gone):
+        copies go on over placements derived again from those views. Idempotent."""
+        self._memory.restore(self.rank)
+
+    @property
+    def engines(self) -> dict[int, CopyEngine]:
+        """Each group's copy engine; none while vLLM has the KV cache released."""
+        return self._memory.engines
 
     @property
     def in_flight(self) -> int:
@@ -181,8 +183,7 @@ class WorkerSide:
         self._acquirer.shutdown(wait=True)
         self._reserver.shutdown(wait=True)
         self._finisher.shutdown(wait=True)
-        for engine in self.engines.values():
-            engine.close()  # unlocks the arena before the client unmaps it
+        self._memory.release()  # unlocks the arena before the client unmaps it
         for client in self.clients.values():
             client.close()
 
@@ -222,7 +223,7 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) as of now; never blocks on a copy."""
-        assert self.engines, "register_kv_caches was not called"
+        assert self._memory.registered, "register_kv_caches was not called"
         for engine in self.engines.values():
             engine.poll()
         self._advance_loads()
@@ -299,9 +300,10 @@ class WorkerSide:
         """Copies slots into vLLM's blocks; the slots are released once the copy read them.
         Slots of a session lost meanwhile are handed back unread and their blocks failed."""
         client = self._client(group)
-        if not client.connected:
+        if not client.connected or not self._memory.usable:
             # A new session opens only once every slot of the last one is handed back, so
-            # held slots belong to the session in use, if there is one.
+            # held slots belong to the session in use, if there is one. (Or vLLM has the KV
+            # cache released: the blocks are not there to copy into.)
             client.release(slots)
             self._failed(spec, block_ids)
             return Transfer(0, 0)  # nothing copied, nothing to wait for
@@ -382,7 +384,7 @@ class WorkerSide:
         readers = Counter(store.owners[i] for i in picked)
         client = self._client(group)
         block_bytes = group.layout.block_bytes
-        if not client.connected:  # the session that reserved them is gone (see _copy_slots)
+        if not client.connected or not self._memory.usable:  # (see _copy_slots)
             client.abort(mine_slots)
             self.stats.add("store_failed_blocks", len(mine_slots))
             self._readers.done(readers, mine_blocks)
