@@ -4,7 +4,7 @@
 for whatever it missed, decodes each batch into vLLM's event types and, separately, as the plain
 msgpack arrays and maps a non-Python router reads, and keeps a set of block hashes per medium.
 ``router_hashes`` computes the hashes a router expects from token ids with vLLM's algorithm.
-Works with vLLM 0.32 and 0.33.
+Works with vLLM 0.32, 0.33 and 0.34.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""vLLM 0.33's real Scheduler over any model's KV cache groups, with KVTierConnector on every
+"""vLLM's real Scheduler over any model's KV cache groups, with KVTierConnector on every
 tensor-parallel rank of every pipeline stage and a fake forward that knows each layer's
 attention window.
 

@@ -1,6 +1,6 @@
 """kvtier's tiers in vLLM's KV event stream, read the way a cache-aware router reads it.
 
-Each engine is the harness's (vLLM 0.33's real ``Scheduler`` and ``KVTierConnector`` over a
+Each engine is the harness's (vLLM's real ``Scheduler`` and ``KVTierConnector`` over a
 real daemon) with ``kv_events_config`` on, so vLLM's own ``ZmqEventPublisher`` sends the
 batches. ``eventutil.Router`` reads them as a router does and keeps the block hashes each
 medium holds; the hashes expected are computed from token ids with vLLM's algorithm and seed.

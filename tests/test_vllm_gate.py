@@ -1,4 +1,4 @@
-"""Under vLLM 0.33's Scheduler and a real daemon: kvtier's capacity gauges in vLLM's metrics,
+"""Under vLLM's Scheduler and a real daemon: kvtier's capacity gauges in vLLM's metrics,
 and the load-or-recompute gate (a disk hit slower than the engine's prefill is recomputed,
 and counted; one faster is loaded).
 

@@ -1,6 +1,6 @@
 """kvtier's hit across KV cache groups agrees with vLLM's own rule, case by case.
 
-The reference is vLLM 0.33's ``find_longest_cache_hit`` of each spec's manager (full
+The reference is vLLM's ``find_longest_cache_hit`` of each spec's manager (full
 attention, sliding window, chunked local attention), made one hit by the hybrid
 coordinator's fixed point, over a block pool that holds a random subset of each group's
 blocks. kvtier asks the daemon only "how many of these hashes from the first do you hold";

@@ -1,4 +1,4 @@
-"""The models people serve, under vLLM 0.33's real Scheduler with KV allocated by vLLM.
+"""The models people serve, under vLLM's real Scheduler with KV allocated by vLLM.
 
 MLA at TP 1 and TP 2 (one latent per token and layer, the same on every rank: stored once,
 loaded by every rank), a gpt-oss-like model (sliding window 128 alternating with full

@@ -1,4 +1,4 @@
-"""Pins for agent sessions under vLLM 0.33's real Scheduler: a request sent with
+"""Pins for agent sessions under vLLM's real Scheduler: a request sent with
 ``kv_transfer_params={"kvtier": {"pin_s": N}}`` has its stored prefix pinned in the daemon's
 host tier once its stores have landed, so the agent's next call finds it there however many
 other blocks were stored meanwhile; a request without it, or with a bad one, pins nothing.

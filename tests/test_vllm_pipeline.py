@@ -1,4 +1,4 @@
-"""Pipeline parallelism under vLLM 0.33's real Scheduler: each stage stores and loads its own
+"""Pipeline parallelism under vLLM's real Scheduler: each stage stores and loads its own
 layers (``modelutil``'s fake forward checks every layer's bytes on every stage), a hit needs
 every stage's blocks, and stages that kvtier could not tell apart are refused.
 

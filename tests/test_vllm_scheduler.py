@@ -1,4 +1,4 @@
-"""The scheduler side of KVTierConnector under vLLM 0.33's real Scheduler.
+"""The scheduler side of KVTierConnector under vLLM's real Scheduler.
 
 Each test drives vLLM's own ``Scheduler`` with the fake model runner of
 ``vllmharness`` (which checks, token by token, that every block a request reads holds

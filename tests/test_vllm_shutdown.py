@@ -1,4 +1,4 @@
-"""Under vLLM 0.33's Scheduler and a real daemon: the connector's shutdown may come more than
+"""Under vLLM's Scheduler and a real daemon: the connector's shutdown may come more than
 once, and a second one does nothing; and it ends cleanly when it comes from an exit hook, after
 Python has stopped every thread pool (as an in-process vLLM engine's shutdown comes)."""
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism and load failures under vLLM 0.33's real Scheduler (``vllmharness``).
+"""Tensor parallelism and load failures under vLLM's real Scheduler (``vllmharness``).
 
 A second worker connector is built for rank 1 and the two ranks' outputs go through vLLM's own
 ``KVOutputAggregator``: a lookup takes only the hit every rank holds, and a load error on one

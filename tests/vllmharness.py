@@ -1,5 +1,5 @@
-"""The harness of the vLLM connector's tests: KVTierConnector under real vLLM 0.33.0, its
-Scheduler, its KV tensors, a real daemon.
+"""The harness of the vLLM connector's tests: KVTierConnector under real vLLM (0.33.0 or
+0.34.0), its Scheduler, its KV tensors, a real daemon.
 
 ``Engine`` builds the scheduler role with vLLM's own ``Scheduler`` and drives the worker role on
 KV tensors made by vLLM's ``allocate_kv_cache``. A fake model runner stands in for the forward
