@@ -1,6 +1,6 @@
 """KVTierConnector under real vLLM, 0.33 and 0.34 (``vllmharness``): prefixes computed once
-then loaded bit-exact in every KV layout, store policies, disk round trips, a killed daemon, preemption,
-aborts, statistics and metrics.
+then loaded bit-exact in every KV layout, store policies, disk round trips, a killed daemon,
+preemption, aborts, statistics and metrics.
 
 Run in a venv with vLLM (see README): ``VLLM_TARGET_DEVICE=cpu pytest -m vllm``.
 """
