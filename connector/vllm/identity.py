@@ -6,9 +6,9 @@ name (``model_id``, by default vLLM's ``--model``) does not say so: one path may
 weights, or be served with another revision, quantisation, rope scaling or KV cache dtype, and
 the disk and remote tiers outlive every such change. The fingerprint is an xxh3-128 over
 
-* the model's config as vLLM runs it (``hf_config`` after ``hf_overrides``; keys that only say
-  where it was read from are left out): architecture, dimensions, rope parameters, the
-  checkpoint's quantisation config;
+* the model's config as vLLM runs it (``hf_config`` after ``hf_overrides`` in any form, the
+  text config of a multimodal model within it; keys that only say where it was read from are
+  left out): architecture, dimensions, rope parameters, the checkpoint's quantisation config;
 * vLLM's settings that change the KV: dtype, ``--quantization``, ``--revision``,
   ``--code-revision``, ``--load-format``, the KV cache dtype and the layers it skips;
 * the weights, without reading them: each safetensors file's header (tensor names, dtypes,
@@ -77,6 +77,13 @@ def kv_settings(vllm_config) -> dict[str, Any]:
     """The model config and vLLM settings the fingerprint covers, as plain data."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     load = getattr(vllm_config, "load_config", None)
+    # Every form of ``hf_overrides`` ends up in ``hf_config.__dict__``, which ``to_dict()``
+    # deep-copies, sub-configs included (``hf_text_config`` is hf_config or nested in it): vLLM
+    # 0.32-0.34 apply flat values with ``config.update`` before standardising rope, and
+    # dict-valued ones (``{"rope_parameters": {...}}``, what transformers 5 models read) with
+    # ``setattr`` after it. So this covers all the model reads of its config, and more: an inert
+    # override (a flat ``rope_theta`` beside the checkpoint's ``rope_parameters``) only keeps
+    # two engines apart, it never lets different KV meet.
     return {
         "hf_config": _without_origin(model.hf_config.to_dict()),
         "dtype": model.dtype,
