@@ -16,6 +16,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROTO = "kvtier.proto"
 OUTPUTS = ("kvtier_pb2.py", "kvtier_pb2.pyi", "kvtier_pb2_grpc.py")
+GRPC_FLOOR = "1.85.1"
+"""The oldest grpcio kvtier accepts (``pyproject.toml``). The gRPC stub refuses to import
+under a grpcio older than the version it is stamped with, so it is stamped with this floor, not
+with the generator's own version (a newer grpcio-tools would otherwise raise every install's
+floor, and make the committed stubs differ by one line from a fresh generation)."""
 
 
 def generate(out_dir: Path = HERE) -> list[Path]:
@@ -40,6 +45,12 @@ def generate(out_dir: Path = HERE) -> list[Path]:
     grpc_module = out_dir / "kvtier_pb2_grpc.py"
     text = grpc_module.read_text()
     text = re.sub(r"^import kvtier_pb2 as", "from . import kvtier_pb2 as", text, flags=re.M)
+    text = re.sub(
+        r"^GRPC_GENERATED_VERSION = '[^']*'",
+        f"GRPC_GENERATED_VERSION = '{GRPC_FLOOR}'",
+        text,
+        flags=re.M,
+    )
     grpc_module.write_text(text)
     return [out_dir / name for name in OUTPUTS]
 
