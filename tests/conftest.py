@@ -3,6 +3,11 @@ behind."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +15,11 @@ from kvtier.connector.client.index_reader import load_probe
 from kvtier.tiers.layout import KVLayout
 
 from daemonutil import leftovers
+
+# vLLM puts the ZMQ sockets of every engine it starts in VLLM_RPC_BASE_PATH (the temp
+# directory by default) and never removes them: this session's go into a directory of its own.
+VLLM_SOCKETS = Path(tempfile.mkdtemp(prefix="kvtier-vllm-ipc-"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", str(VLLM_SOCKETS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,5 +50,6 @@ def leaves_nothing_behind():
     """After the last test: no arena in ``/dev/shm``, no directory in ``/tmp``, no process of
     any daemon this session started (what is found is removed, then reported)."""
     yield
+    shutil.rmtree(VLLM_SOCKETS, ignore_errors=True)
     found = leftovers()
     assert not found, f"the tests left behind: {found}"
