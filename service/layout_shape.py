@@ -68,16 +68,6 @@ class LayoutShape:
             return replace(self, block_tokens=block_tokens)
         return self
 
-    def as_dict(self) -> dict:
-        return {
-            "block_tokens": self.block_tokens,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_size": self.head_size,
-            "dtype": self.dtype,
-            "description": self.description,
-        }
-
     def saved(self) -> dict:
         """What ``layout_dirs`` writes beside the disk tier: what cannot be read back from
         the description is the block size of a layout named by signature alone."""

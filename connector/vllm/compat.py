@@ -68,43 +68,34 @@ def vllm_version() -> str:
 class VllmDrift:
     """What the connector does when a vLLM object lacks what it reads.
 
-    ``seen(where, error)`` counts the mismatch and says it once per ``where`` in the log with
-    vLLM's version. ``lost_track`` is set when a step's own bookkeeping broke (the scheduler's
-    output could not be read): from then on the connector can no longer tell which blocks hold
-    which tokens, so it offers no hits and stores nothing, and serves the loads it had already
-    promised."""
+    ``seen(where, error)`` counts the mismatch (``count(1)``, into the connector's stats) and
+    says it once per ``where`` in the log with vLLM's version. ``lost_track`` is set when a
+    step's own bookkeeping broke (the scheduler's output could not be read): from then on the
+    connector can no longer tell which blocks hold which tokens, so it offers no hits and
+    stores nothing, and serves the loads it had already promised."""
 
-    __slots__ = ("_count", "_said", "count", "lost_track")
+    __slots__ = ("_count", "_said", "lost_track")
 
     def __init__(self, count) -> None:
-        """``count(n)``: adds ``n`` mismatches to the connector's stats."""
         self._count = count
         self._said: set[str] = set()
         self.lost_track = False
-        self.count = 0
 
     def seen(self, where: str, error: BaseException, lost_track: bool = False) -> None:
-        self.count += 1
         self._count(1)
-        if lost_track and not self.lost_track:
-            self.lost_track = True
-            log.error(
-                "kvtier: %s does not match what the connector reads in %s (%s: %s); kvtier "
-                "offers no external hits and stores nothing for this engine from now on",
-                vllm_version(),
-                where,
-                type(error).__name__,
-                error,
-            )
-            return
-        if where in self._said:
+        newly_lost = lost_track and not self.lost_track
+        self.lost_track |= lost_track
+        if where in self._said and not newly_lost:
             return
         self._said.add(where)
         log.error(
-            "kvtier: %s does not match what the connector reads in %s (%s: %s); that path "
-            "gives no external hits (said once, counted in vllm:kvtier_vllm_mismatches_total)",
+            "kvtier: %s does not match what the connector reads in %s (%s: %s); %s",
             vllm_version(),
             where,
             type(error).__name__,
             error,
+            "kvtier offers no external hits and stores nothing for this engine from now on"
+            if newly_lost
+            else "that path gives no external hits (said once, counted in "
+            "vllm:kvtier_vllm_mismatches_total)",
         )

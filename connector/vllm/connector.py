@@ -203,16 +203,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # (``compat.VllmDrift``): each catches what reading a changed object raises.
 
     def on_new_request(self, request) -> None:
-        if self.scheduler.drift.lost_track:
-            return
         try:
             self.scheduler.hits.on_new_request(request)
         except DRIFT_ERRORS as error:
             self.scheduler.drift.seen("on_new_request", error)
 
     def may_load_async(self, request) -> bool:
-        if self.scheduler.drift.lost_track:
-            return False
         try:
             return self.scheduler.hits.may_load_async(request)
         except DRIFT_ERRORS as error:
@@ -222,8 +218,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.scheduler.drift.lost_track:
-            return 0, False
         try:
             return self.scheduler.hits.get_num_new_matched_tokens(request, num_computed_tokens)
         except DRIFT_ERRORS as error:

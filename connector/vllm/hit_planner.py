@@ -12,7 +12,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.connector.client.daemon_client import DaemonClient
 from kvtier.connector.vllm.adapters import AdapterKeys
 from kvtier.connector.vllm.capacity import TierWatch
-from kvtier.connector.vllm.compat import skips_external_kv
+from kvtier.connector.vllm.compat import VllmDrift, skips_external_kv
 from kvtier.connector.vllm.config import KVTierConfig
 from kvtier.connector.vllm.gate import LoadGate
 from kvtier.connector.vllm.groups import KVGroup
@@ -38,6 +38,7 @@ class HitPlanner:
         seeds: list[list[BlockHash]],
         clients: dict[str, DaemonClient],
         stats: KVTierStats,
+        drift: VllmDrift,
     ):
         self.config = config
         self.groups = groups
@@ -47,6 +48,7 @@ class HitPlanner:
         self.clients = clients
         self.client = clients[groups[0].layout.signature]
         self.stats = stats
+        self.drift = drift
         self.requests: dict[str, RequestState] = {}
         self.loading: dict[str, RequestState] = {}
         """Requests whose planned load has not proved good or landed yet."""
@@ -178,11 +180,15 @@ class HitPlanner:
             return False
         return lookup.hits().tokens >= self._min_hit_tokens
 
-    @staticmethod
-    def _may_read(request) -> bool:
-        """Token ids name the request's KV (not embeddings) and it may read KV it did not
-        compute: else it is never looked up."""
-        return request.prompt_embeds is None and not skips_external_kv(request)
+    def _may_read(self, request) -> bool:
+        """Token ids name the request's KV (not embeddings), it may read KV it did not compute,
+        and the connector still knows which block holds what (``drift``): else it is never
+        looked up."""
+        return (
+            not self.drift.lost_track
+            and request.prompt_embeds is None
+            and not skips_external_kv(request)
+        )
 
     def get_num_new_matched_tokens(
         self, request, num_computed_tokens: int

@@ -108,7 +108,6 @@ class SchedulerSide:
         # still reading such a block before the step that reuses it.
         self._frees_blocks = any(group.windowed for group in groups)
         self.stats = KVTierStats()
-        # vLLM objects that lacked what the connector reads (``lost_track``: no hits, no stores)
         self.drift = VllmDrift(lambda n: self.stats.add("vllm_mismatches", n))
         self.hits = HitPlanner(
             config,
@@ -118,6 +117,7 @@ class SchedulerSide:
             [list(seeds) for seeds in self._base_seeds],
             self.clients,
             self.stats,
+            self.drift,
         )
         self._stores: list[StoreSpec] = []
         self._delay_free_new: set[str] = set()

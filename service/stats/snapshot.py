@@ -4,6 +4,7 @@ gRPC ``Stats`` call, ``/stats`` and ``/metrics`` are all built from."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from kvtier.service.layout_store import DISK, HOST, REMOTE
 
@@ -71,7 +72,7 @@ def _served_blocks(daemon, store) -> dict:
         "layout": store.hex,
         "open": True,
         "block_bytes": store.block_bytes,
-        **daemon.store.shape(store.signature).as_dict(),
+        **asdict(daemon.store.shape(store.signature)),
         "host_blocks": store.counters[HOST].used_blocks,
         "disk_blocks": store.counters[DISK].used_blocks,
         "disk": store.disk_state,
@@ -87,7 +88,7 @@ def _resting_blocks(resting) -> dict:
         "layout": resting.signature.hex(),
         "open": False,
         "block_bytes": resting.block_bytes,
-        **resting.shape.as_dict(),
+        **asdict(resting.shape),
         "host_blocks": 0,
         "disk_blocks": resting.disk_blocks,
         "disk": resting.disk,

@@ -18,9 +18,7 @@ import os
 import lmdb
 
 from kvtier.tiers.disk.directory import LMDB_FILE, TierDirectory, is_damage
-
-INDEX_DB = b"index"
-"""The database of block entries (``index.BlockIndex``); its entry count is the block count."""
+from kvtier.tiers.disk.index import INDEX_DB
 
 
 def count_blocks(path: str) -> int:

@@ -30,6 +30,8 @@ from kvtier.tiers.lower import MAX_META_BYTES
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
+INDEX_DB = b"index"
+"""The database of block entries, hash -> entry (its entry count is the block count)."""
 _READABLE_VERSIONS = (2, 3)  # 2: the same header with no meta after it
 # big-endian, the checksum last: its bytes are those of ``xxh3_64_digest``
 _ENTRY = struct.Struct(">HQQ16sQQ")
@@ -90,7 +92,7 @@ class BlockIndex:
         )
         try:
             self.env.reader_check()
-            self._index = self.env.open_db(b"index")
+            self._index = self.env.open_db(INDEX_DB)
             self._order = self.env.open_db(b"order")
             self._clock = AccessClock(self.env, self._order, clock)
         except BaseException:
