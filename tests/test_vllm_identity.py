@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
-from vllm.config import CacheConfig, ModelConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.request import Request
 
@@ -64,6 +64,23 @@ def vllm_config(model: Path, cache_dtype: str = "auto", **model_kw) -> VllmConfi
     )
 
 
+def with_draft(model: Path, draft: Path) -> VllmConfig:
+    """``model`` served with ``draft`` as its EAGLE drafter."""
+    target = vllm_config(model).model_config
+    spec = SpeculativeConfig(
+        method="eagle",
+        model=str(draft),
+        num_speculative_tokens=1,
+        target_model_config=target,
+        target_parallel_config=ParallelConfig(),
+    )
+    return VllmConfig(
+        model_config=target,
+        cache_config=CacheConfig(block_size=16),
+        speculative_config=spec,
+    )
+
+
 def seed(config: VllmConfig, model_id: str | None = None) -> bytes:
     identity = model_identity(config, model_id)
     return Namespace(identity.name, LAYOUT, fingerprint=identity.fingerprint).seed
@@ -90,6 +107,20 @@ def test_what_shapes_the_kv_gives_disjoint_names(model: Path, tmp_path: Path):
     }
     assert base not in others.values()
     assert len(set(others.values())) == len(others), others
+
+
+def test_a_drafters_weights_name_the_blocks(model: Path, tmp_path: Path):
+    """An EAGLE drafter's layer keeps its KV in the engine's cache: engines with drafters of
+    one shape but other weights share no block; the same drafter files from another path do."""
+    eagle = dict(TINY_LLAMA, architectures=["EagleLlamaForCausalLM"], num_hidden_layers=1)
+    drafters = {}
+    for name, weight in (("eagle-a", 0.5), ("eagle-b", 0.25)):
+        drafters[name] = write_model(tmp_path / name, weight=weight)
+        (drafters[name] / "config.json").write_text(json.dumps(eagle))
+    first = seed(with_draft(model, drafters["eagle-a"]))
+    assert seed(with_draft(model, drafters["eagle-b"])) != first
+    elsewhere = shutil.copytree(drafters["eagle-a"], tmp_path / "eagle-a-copy")
+    assert seed(with_draft(model, elsewhere)) == first
 
 
 def test_model_id_renames_but_the_fingerprint_still_applies(model: Path, tmp_path: Path):

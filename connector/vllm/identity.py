@@ -16,6 +16,8 @@ the disk and remote tiers outlive every such change. The fingerprint is an xxh3-
   shapes differs, and small tensors (KV scales) count whole; another weight file by its size
   and pages sampled across it; a model not on this disk by the hub commit its config came
   from;
+* a speculative draft model's config and weights (EAGLE, MTP, a draft model): its layers keep
+  their KV in the engine's cache beside the target's;
 * KV scales computed by the engine itself (``calculate_kv_scales`` with a quantised KV cache,
   in vLLM versions that have it): they depend on the first batch the engine ran, so the
   fingerprint then holds a random nonce, and the engine shares blocks with itself alone.
@@ -93,6 +95,27 @@ def kv_settings(vllm_config) -> dict[str, Any]:
         "load_format": getattr(load, "load_format", None),
         "kv_cache_dtype": cache.cache_dtype,
         "kv_cache_dtype_skip_layers": getattr(cache, "kv_cache_dtype_skip_layers", None),
+        "draft": draft_settings(vllm_config),
+    }
+
+
+def draft_settings(vllm_config) -> dict[str, Any] | None:
+    """The speculative draft model whose layers keep KV in the engine's cache, as plain data;
+    None without one (no speculation, or n-gram and suffix decoding, whose draft model vLLM
+    sets to the target itself)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    model = vllm_config.model_config
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or draft is model:
+        return None
+    # MTP layers come from the target's own checkpoint, which the weights fingerprint covers.
+    weights = b"" if draft.model == model.model else weights_fingerprint(draft)
+    return {
+        "method": spec.method,
+        "hf_config": _without_origin(draft.hf_config.to_dict()),
+        "quantization": draft.quantization,
+        "revision": draft.revision,
+        "weights": weights.hex(),
     }
 
 
