@@ -86,7 +86,7 @@ def kv_settings(vllm_config) -> dict[str, Any]:
     # ``setattr`` after it. So this covers all the model reads of its config, and more: an inert
     # override (a flat ``rope_theta`` beside the checkpoint's ``rope_parameters``) only keeps
     # two engines apart, it never lets different KV meet.
-    return {
+    settings = {
         "hf_config": _without_origin(model.hf_config.to_dict()),
         "dtype": model.dtype,
         "quantization": model.quantization,
@@ -95,8 +95,13 @@ def kv_settings(vllm_config) -> dict[str, Any]:
         "load_format": getattr(load, "load_format", None),
         "kv_cache_dtype": cache.cache_dtype,
         "kv_cache_dtype_skip_layers": getattr(cache, "kv_cache_dtype_skip_layers", None),
-        "draft": draft_settings(vllm_config),
     }
+    # Only an engine with a drafter gets the key: the others keep the names their blocks on
+    # disk and in the remote tier were stored under.
+    draft = draft_settings(vllm_config)
+    if draft is not None:
+        settings["draft"] = draft
+    return settings
 
 
 def draft_settings(vllm_config) -> dict[str, Any] | None:
