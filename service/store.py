@@ -13,7 +13,6 @@ counted once at start and shown in the statistics (``layout_dirs``), with its sh
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -88,16 +87,19 @@ class BlockStore:
         with self._lock:
             store = self._layouts.get(signature)
             built = store is None
+            resting = None
             if built:
                 store = self._build(signature, block_bytes)
-                self._resting.pop(signature, None)
+                resting = self._resting.pop(signature, None)
             elif block_bytes != store.block_bytes:
                 raise LayoutRefused(
                     f"layout {signature.hex()} has {store.block_bytes} B blocks here, not "
                     f"{block_bytes} B; a layout signature must name one block size"
                 )
             known = self._shapes.get(signature)
-            if known is None:
+            if known is None and resting is not None:
+                known = resting.shape  # its namespace.json, read at start
+            elif known is None:
                 fields = (
                     read_namespace(self._layout_dir(signature)) if store.disk is not None else {}
                 )
@@ -181,9 +183,9 @@ class BlockStore:
         if not namespace.is_file():
             return
         try:
-            signature = bytes.fromhex(json.loads(namespace.read_text())["layout_signature"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("%s is unreadable (%s); left as it is", namespace, exc)
+            signature = bytes.fromhex(read_namespace(root)["layout_signature"])
+        except (ValueError, KeyError, TypeError) as exc:  # read_namespace logs the unreadable
+            log.error("%s names no layout (%r); left as it is", namespace, exc)
             return
         target = root / signature.hex()
         target.mkdir(mode=0o700, exist_ok=True)

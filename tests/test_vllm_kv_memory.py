@@ -5,7 +5,7 @@ and copies again, into the right blocks, once it is back.
 
 The memory is "released" here by overwriting every page (what a recommitted page holds is
 not the old blocks); the fake forward pass checks every byte a load brings back. The CUDA side
-(the same calls over device memory) is in ``test_cuda_tiers.py``'s suite for a GPU machine.
+(the same calls over device memory) is ``test_cuda_kv_memory.py``, in the suite for a GPU machine.
 ``CUDA_VISIBLE_DEVICES= VLLM_TARGET_DEVICE=cpu pytest -m vllm tests/test_vllm_kv_memory.py``.
 """
 

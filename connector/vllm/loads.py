@@ -82,8 +82,7 @@ class StreamedLoad:
                 self.copying = copy(slots, self.spec.block_ids[start : start + len(slots)])
             self.next += len(slots)
             if len(slots) < self.asked:
-                self.failed = True
-                fail(self.spec, self.spec.block_ids[self.next :])
+                self._fail_rest(fail)
         if self.copying is None and not self.landed:
             want = min(len(self.hashes) - self.next, room, chunk)
             if want > 0:
@@ -103,8 +102,7 @@ class StreamedLoad:
                 now - self.starved_since,
                 len(self.hashes) - self.next,
             )
-            self.failed = True
-            fail(self.spec, self.spec.block_ids[self.next :])
+            self._fail_rest(fail)
 
     def give_up(self, release: Callable[[list[int]], None], fail: Fail) -> None:
         """Ends the load where it stands, once its copies have landed: slots acquired and not
@@ -112,8 +110,12 @@ class StreamedLoad:
         self.abandon(release)
         self.copying = None
         if not self.landed:
-            self.failed = True
-            fail(self.spec, self.spec.block_ids[self.next :])
+            self._fail_rest(fail)
+
+    def _fail_rest(self, fail: Fail) -> None:
+        """Fails the blocks not copied yet: vLLM recomputes them."""
+        self.failed = True
+        fail(self.spec, self.spec.block_ids[self.next :])
 
     def abandon(self, release: Callable[[list[int]], None]) -> None:
         """At shutdown: gives back the slots of an acquire that has not been copied."""
